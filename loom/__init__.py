@@ -1,0 +1,41 @@
+"""loom: scale a plain PyTorch training script by swapping one object, the strategy."""
+
+from loom import comm
+from loom.cluster import ClusterSpec, NodeSpec
+from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
+from loom.launch import launch
+from loom.strategies import (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    OneDeviceStrategy,
+    Strategy,
+    auto_strategy,
+    get_strategy,
+    unwrap,
+)
+from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Callback",
+    "ClusterError",
+    "ClusterSpec",
+    "EarlyStopping",
+    "LaunchError",
+    "LoomError",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "NodeSpec",
+    "OneDeviceStrategy",
+    "RankFailureError",
+    "Strategy",
+    "TensorBoard",
+    "auto_strategy",
+    "comm",
+    "evaluate",
+    "fit",
+    "get_strategy",
+    "launch",
+    "unwrap",
+]

@@ -1,0 +1,206 @@
+"""Who is in the job. Each scheduler is one small resolver with a ``detect()``.
+
+Resolvers answer two different questions:
+
+* inside a worker process, *which rank am I* (torchrun's environment, always, because every
+  loom worker is started by torchrun's agent);
+* before launching, *which node am I and where is the master* (TF_CONFIG, Slurm or flags),
+  which the launcher hands to torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+
+from loom.errors import ClusterError
+
+DEFAULT_PORT = 29500
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What the launcher needs to start this node's agent."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: pick a free port (single node only)
+    hosts: tuple[str, ...] = ()
+    source: str = "local"
+
+    def __post_init__(self) -> None:
+        if self.nnodes < 1:
+            raise ClusterError(f"nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ClusterError(
+                f"node rank {self.node_rank} is outside 0..{self.nnodes - 1} for a job of "
+                f"{self.nnodes} node(s) ({self.source}); give each node a distinct rank below nnodes"
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ClusterError(
+                f"a job of {self.nnodes} nodes needs a master address: pass --master HOST:PORT "
+                "(the same on every node)"
+            )
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """Where this process stands in a running job, as torchrun's agent told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    host: str = field(default_factory=socket.gethostname)
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+
+def parse_endpoint(text: str, what: str = "--master") -> tuple[str, int]:
+    """``HOST:PORT`` -> (host, port), with an error that shows the expected form."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterError(f"{what} {text!r} is not HOST:PORT (for example 10.0.0.1:{DEFAULT_PORT})")
+    return host, int(port)
+
+
+class TorchrunEnvironment:
+    """The variables torchrun (and loom run, which is torchrun) sets in every worker."""
+
+    REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+    @staticmethod
+    def detect(env: dict[str, str] | None = None) -> bool:
+        env = os.environ if env is None else env
+        return all(k in env for k in TorchrunEnvironment.REQUIRED)
+
+    @staticmethod
+    def resolve(env: dict[str, str] | None = None) -> ClusterSpec:
+        env = os.environ if env is None else env
+        try:
+            values = {k: int(env[k]) for k in TorchrunEnvironment.REQUIRED if k != "MASTER_ADDR"}
+        except ValueError as exc:
+            raise ClusterError(f"a torchrun variable is not an integer ({exc}); check the launcher") from exc
+        spec = ClusterSpec(
+            rank=values["RANK"],
+            world_size=values["WORLD_SIZE"],
+            local_rank=values["LOCAL_RANK"],
+            local_world_size=values["LOCAL_WORLD_SIZE"],
+            node_rank=int(env.get("GROUP_RANK", values["RANK"] // values["LOCAL_WORLD_SIZE"])),
+            master_addr=env["MASTER_ADDR"],
+            master_port=values["MASTER_PORT"],
+        )
+        if spec.world_size % spec.local_world_size:
+            raise ClusterError(
+                f"WORLD_SIZE={spec.world_size} is not a multiple of LOCAL_WORLD_SIZE="
+                f"{spec.local_world_size}: every node must run the same number of processes"
+            )
+        return spec
+
+
+class TFConfigEnvironment:
+    """TensorFlow's ``TF_CONFIG`` so TF users keep their cluster files.
+
+    Every ``chief`` and ``worker`` entry is one node; the chief (or worker 0) is the master.
+    The port in an entry is the rendezvous port of that node's agent; only the master's is used.
+    """
+
+    @staticmethod
+    def detect(env: dict[str, str] | None = None) -> bool:
+        env = os.environ if env is None else env
+        return bool(env.get("TF_CONFIG"))
+
+    @staticmethod
+    def resolve(env: dict[str, str] | None = None) -> NodeSpec:
+        env = os.environ if env is None else env
+        text = env["TF_CONFIG"]
+        expected = 'expected {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+        try:
+            config = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ClusterError(f"TF_CONFIG is not valid JSON ({exc.msg} at char {exc.pos}); {expected}") from None
+        if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict) or not isinstance(
+            config.get("task"), dict
+        ):
+            raise ClusterError(f"TF_CONFIG lacks a 'cluster' or 'task' object; {expected}")
+        cluster, task = config["cluster"], config["task"]
+        nodes: list[tuple[str, int]] = []
+        for role in ("chief", "worker"):
+            entries = cluster.get(role, [])
+            if not isinstance(entries, list):
+                raise ClusterError(f"TF_CONFIG cluster.{role} must be a list of 'host:port' strings")
+            nodes += [(role, i) for i in range(len(entries))]
+        if not nodes:
+            raise ClusterError(f"TF_CONFIG names no 'chief' or 'worker' hosts; {expected}")
+        me = (task.get("type"), task.get("index", 0))
+        if me not in nodes:
+            roles = ", ".join(f"{r}[{i}]" for r, i in nodes)
+            raise ClusterError(f"TF_CONFIG task {me[0]}[{me[1]}] is not in the cluster ({roles}); fix task.type/task.index")
+        addrs = [cluster[r][i] for r, i in nodes]
+        master_addr, master_port = parse_endpoint(addrs[0], what="TF_CONFIG address")
+        return NodeSpec(
+            nnodes=len(nodes),
+            node_rank=nodes.index(me),
+            master_addr=master_addr,
+            master_port=master_port,
+            hosts=tuple(a.rpartition(":")[0] for a in addrs),
+            source="TF_CONFIG",
+        )
+
+
+def expand_slurm_nodelist(nodelist: str) -> list[str]:
+    """``'gpu[01-03,07],login1'`` -> ``['gpu01', 'gpu02', 'gpu03', 'gpu07', 'login1']``."""
+    hosts: list[str] = []
+    for prefix, ranges, plain in re.findall(r"([^,\[]+)\[([^\]]+)\]|([^,\[\]]+)", nodelist):
+        if plain:
+            hosts.append(plain)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            hi = hi or lo
+            hosts += [f"{prefix}{i:0{len(lo)}d}" for i in range(int(lo), int(hi) + 1)]
+    return hosts
+
+
+class SlurmEnvironment:
+    """A Slurm allocation: one loom agent per node (``srun --ntasks-per-node=1 loom run ...``)."""
+
+    @staticmethod
+    def detect(env: dict[str, str] | None = None) -> bool:
+        env = os.environ if env is None else env
+        return "SLURM_JOB_NODELIST" in env and "SLURM_NODEID" in env
+
+    @staticmethod
+    def resolve(env: dict[str, str] | None = None) -> NodeSpec:
+        env = os.environ if env is None else env
+        hosts = expand_slurm_nodelist(env["SLURM_JOB_NODELIST"])
+        return NodeSpec(
+            nnodes=int(env.get("SLURM_JOB_NUM_NODES", len(hosts))),
+            node_rank=int(env["SLURM_NODEID"]),
+            master_addr=hosts[0],
+            master_port=int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            hosts=tuple(hosts),
+            source="Slurm",
+        )
+
+
+def resolve_node(
+    nnodes: int | None = None, node_rank: int | None = None, master: str | None = None
+) -> NodeSpec:
+    """Flags win over TF_CONFIG, which wins over Slurm; with none of them, one local node."""
+    if nnodes is not None or master is not None:
+        addr, port = parse_endpoint(master) if master else ("127.0.0.1", None)
+        return NodeSpec(nnodes=nnodes or 1, node_rank=node_rank or 0, master_addr=addr, master_port=port, source="flags")
+    for resolver in (TFConfigEnvironment, SlurmEnvironment):
+        if resolver.detect():
+            return resolver.resolve()
+    return NodeSpec()

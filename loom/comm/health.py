@@ -1,0 +1,178 @@
+"""Name the rank that died or stopped, instead of waiting on it forever.
+
+Each rank registers its host and pid in the job's store (held by torchrun's agent, so it
+outlives any worker), beats a counter there, and posts a notice when it fails with an
+exception. When a collective breaks, or the agent tears the job down, a survivor reads
+those records and says which rank failed and where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from loom.cluster import ClusterSpec
+from loom.errors import RankFailureError
+
+PREFIX = "loom/health"
+
+
+def _pid_alive(pid: int) -> bool:
+    """False for a missing or zombie (killed, not yet reaped) process on this host."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to signal 0, which cannot see zombies
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+class HealthMonitor:
+    """Heartbeats and failure notices for one rank; ``diagnose()`` names failed peers."""
+
+    def __init__(self, spec: ClusterSpec, interval: float = 1.0, store_timeout: float = 10.0) -> None:
+        self.spec = spec
+        self.interval = interval
+        self.host = socket.gethostname()
+        self._store_timeout = timedelta(seconds=store_timeout)
+        self._store = self._connect()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._previous_excepthook = sys.excepthook
+
+    def _connect(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.spec.master_addr,
+            self.spec.master_port,
+            is_master=False,
+            timeout=self._store_timeout,
+            wait_for_workers=False,
+        )
+
+    def _key(self, kind: str, rank: int) -> str:
+        return f"{PREFIX}/{kind}/{rank}"
+
+    def start(self) -> None:
+        me = {"host": self.host, "pid": os.getpid()}
+        self._store.set(self._key("member", self.spec.rank), json.dumps(me))
+        self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
+        self._thread.start()
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.interval)
+            self._thread = None
+        sys.excepthook = self._previous_excepthook
+
+    def _beat(self) -> None:
+        store = self._connect()  # a client of its own: the main thread may be using the other
+        key = self._key("beat", self.spec.rank)
+        while not self._stop.is_set():
+            try:
+                store.add(key, 1)
+            except Exception:  # the store went away with the agent: the job is ending anyway
+                return
+            self._stop.wait(self.interval)
+
+    def post_failure(self, reason: str) -> None:
+        """Tell the other ranks why this one is about to exit."""
+        try:
+            self._store.set(self._key("failed", self.spec.rank), reason[:500])
+        except Exception:
+            pass
+
+    def _member(self, rank: int) -> dict | None:
+        key = self._key("member", rank)
+        if not self._store.check([key]):
+            return None
+        return json.loads(self._store.get(key))
+
+    def _beats(self, ranks: list[int]) -> dict[int, int]:
+        return {r: self._store.add(self._key("beat", r), 0) for r in ranks}
+
+    def diagnose(self, sample_heartbeats: bool = True) -> str | None:
+        """Which other ranks failed, as one sentence; ``None`` when all look healthy.
+
+        Local peers are checked by pid at once; remote ones by whether their heartbeat
+        advanced over ``2.5 * interval`` (only when ``sample_heartbeats``).
+        """
+        try:
+            return self._diagnose(sample_heartbeats)
+        except Exception as exc:  # the store itself is gone: say so rather than guess
+            return f"the job's store at {self.spec.master_addr}:{self.spec.master_port} is unreachable ({exc}); the launcher (or the node hosting it) is down"
+
+    def _diagnose(self, sample_heartbeats: bool) -> str | None:
+        others = [r for r in range(self.spec.world_size) if r != self.spec.rank]
+        members = {r: self._member(r) for r in others}
+        found: list[str] = []
+        for r, info in members.items():
+            if info is None:
+                continue
+            where = f"rank {r} ({info['host']}, pid {info['pid']})"
+            notice = self._key("failed", r)
+            if self._store.check([notice]):
+                found.append(f"{where} failed: {self._store.get(notice).decode()}")
+            elif info["host"] == self.host and not _pid_alive(info["pid"]):
+                found.append(f"{where} died")
+        if not found and sample_heartbeats:
+            alive = [r for r, info in members.items() if info is not None]
+            before = self._beats(alive)
+            time.sleep(2.5 * self.interval)
+            after = self._beats(alive)
+            found = [
+                f"rank {r} ({members[r]['host']}, pid {members[r]['pid']}) stopped responding (no heartbeat for {2.5 * self.interval:.1f}s)"
+                for r in alive
+                if after[r] == before[r]
+            ]
+        never = [str(r) for r, info in members.items() if info is None]
+        if not found and never:
+            found.append(f"rank(s) {', '.join(never)} never joined the job")
+        return "; ".join(found) or None
+
+    def failure_error(self, cause: BaseException) -> RankFailureError | None:
+        """A RankFailureError naming the failed peer, if ``cause`` came from one."""
+        reason = self.diagnose(sample_heartbeats=looks_distributed(cause))
+        if reason is None:
+            return None
+        return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: {reason}")
+
+    def _excepthook(self, exc_type, exc, tb) -> None:
+        if isinstance(exc, RankFailureError):  # a victim, not a cause: one line is the whole story
+            print(f"loom: {exc}", file=sys.stderr, flush=True)
+            return
+        self.post_failure("".join(traceback.format_exception_only(exc_type, exc)).strip())
+        self._previous_excepthook(exc_type, exc, tb)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        # The agent terminates the survivors once one worker has failed: say which one.
+        reason = self.diagnose(sample_heartbeats=False)
+        why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
+        print(f"loom: rank {self.spec.rank} on {self.host} {why}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def looks_distributed(exc: BaseException) -> bool:
+    """Whether an exception came from the communication layer rather than the user's code."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("gloo", "Gloo", "NCCL", "Connection reset", "Connection closed", "Timed out", "timed out"))

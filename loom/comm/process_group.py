@@ -1,0 +1,87 @@
+"""Joining the job's process group, with a timeout and a health monitor, and leaving it cleanly.
+
+A gloo group that is not destroyed before the interpreter exits can abort at teardown
+("terminate called without an active exception"); ``Connection.close`` (also run at exit)
+destroys it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from loom.cluster import ClusterSpec
+from loom.comm.health import HealthMonitor
+from loom.errors import ClusterError
+
+TIMEOUT_ENV = "LOOM_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+def resolve_timeout(timeout: float | None) -> float:
+    """Collective timeout in seconds: the argument, else ``LOOM_TIMEOUT``, else 300."""
+    if timeout is None:
+        text = os.environ.get(TIMEOUT_ENV)
+        if not text:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(text)
+        except ValueError:
+            raise ClusterError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+    if timeout <= 0:
+        raise ClusterError(f"timeout must be a positive number of seconds, got {timeout}")
+    return float(timeout)
+
+
+def default_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class Connection:
+    """This process's membership in the job: the default process group plus its monitor."""
+
+    def __init__(self, spec: ClusterSpec, device: torch.device, timeout: float, backend: str | None = None) -> None:
+        self.spec = spec
+        self.timeout = timeout
+        self.backend = backend or default_backend(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group(
+                self.backend,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                timeout=timedelta(seconds=timeout),
+                device_id=device if device.type == "cuda" else None,
+            )
+        elif dist.get_world_size() != spec.world_size:
+            raise ClusterError(
+                f"the process group has {dist.get_world_size()} ranks but the launcher says WORLD_SIZE="
+                f"{spec.world_size}; initialise it with the launcher's values or let loom do it"
+            )
+        self.monitor = HealthMonitor(spec)
+        self.monitor.start()
+        atexit.register(self.close)
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Turn a broken collective into an error that names the failed rank."""
+        try:
+            yield
+        except RuntimeError as exc:
+            error = self.monitor.failure_error(exc)
+            if error is None:
+                raise
+            raise error from exc
+
+    def close(self) -> None:
+        """Stop the monitor and destroy the group (idempotent)."""
+        self.monitor.stop()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False

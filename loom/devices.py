@@ -1,0 +1,71 @@
+"""Local devices and the per-process CPU thread budget.
+
+Oversubscribed threads are the usual reason CPU data parallelism is slow: N processes that
+each start one thread per core fight over the cores. Each process gets ``cores // N``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loom.errors import LaunchError
+
+THREADS_ENV = "LOOM_THREADS"
+
+
+def available_cores() -> int:
+    """Cores this process may run on (respects taskset/cgroup affinity, unlike cpu_count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cuda_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def default_nproc() -> int:
+    """One process per GPU; on a CPU-only machine one per core, at most 8."""
+    return cuda_count() or max(1, min(available_cores(), 8))
+
+
+def check_nproc(nproc: int) -> None:
+    """Refuse more processes than GPUs, where two processes would share one device."""
+    gpus = cuda_count()
+    if nproc < 1:
+        raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+    if gpus and nproc > gpus:
+        raise LaunchError(
+            f"--nproc {nproc} asks for more processes than this machine's {gpus} CUDA device(s); "
+            f"use --nproc {gpus} or fewer (one process per GPU)"
+        )
+
+
+def thread_budget(local_processes: int, cores: int | None = None) -> int:
+    """Intra-op threads for each of ``local_processes`` processes sharing this machine."""
+    cores = available_cores() if cores is None else cores
+    return max(1, cores // max(1, local_processes))
+
+
+def apply_thread_budget(local_processes: int) -> int:
+    """Set torch's thread count in this process; ``LOOM_THREADS`` (the --threads flag) wins."""
+    override = os.environ.get(THREADS_ENV)
+    threads = int(override) if override else thread_budget(local_processes)
+    torch.set_num_threads(threads)
+    return threads
+
+
+def local_device(local_rank: int) -> torch.device:
+    """The device a replica with this local rank computes on."""
+    gpus = cuda_count()
+    if not gpus:
+        return torch.device("cpu")
+    if local_rank >= gpus:
+        raise LaunchError(
+            f"local rank {local_rank} has no GPU: this machine has {gpus}; start at most {gpus} processes per node"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)

@@ -1,0 +1,123 @@
+"""Start this node's share of a job with torchrun's elastic agent, called in-process.
+
+Everything about the cluster is decided here once (processes per node, rendezvous, thread
+budget, collective timeout) and handed to the workers through torchrun's environment.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import sys
+from dataclasses import dataclass, field, fields
+
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from loom.cluster import NodeSpec, resolve_node
+from loom.comm.process_group import TIMEOUT_ENV
+from loom.devices import THREADS_ENV, check_nproc, default_nproc, thread_budget
+from loom.errors import LaunchError
+
+
+@dataclass
+class LaunchOptions:
+    """How to start a job; each field's help is the CLI's."""
+
+    nproc: int | None = field(default=None, metadata={"help": "processes (replicas) on this node; default: one per GPU, else one per core (at most 8)"})
+    nnodes: int | None = field(default=None, metadata={"help": "number of nodes (machines) in the job"})
+    node_rank: int | None = field(default=None, metadata={"help": "this node's rank, 0 .. nnodes-1; node 0 hosts the rendezvous"})
+    master: str | None = field(default=None, metadata={"help": "HOST:PORT of node 0's rendezvous, the same on every node"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads per process; default: cores / processes on this node"})
+    timeout: float | None = field(default=None, metadata={"help": "seconds a collective may wait before the job fails naming the missing rank"})
+    max_restarts: int = field(default=0, metadata={"help": "times torch elastic restarts the workers after a failure"})
+
+    def node(self) -> NodeSpec:
+        return resolve_node(self.nnodes, self.node_rank, self.master)
+
+
+def option_names() -> list[str]:
+    return [f.name for f in fields(LaunchOptions)]
+
+
+def _is_local(host: str) -> bool:
+    if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):
+        return True
+    try:
+        return socket.gethostbyname(host) in {"127.0.0.1", socket.gethostbyname(socket.gethostname())}
+    except OSError:
+        return False
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Fail before the agent does, with a line a person can act on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise LaunchError(
+                f"port {port} on {host} is already in use (another job?); pass a free one with "
+                f"--master {host}:PORT, or stop the process holding it"
+            ) from None
+
+
+def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
+    """The torchrun command line for ``entry`` (``[script, args...]`` or ``['-m', module, args...]``)."""
+    node = opts.node()
+    nproc = opts.nproc or default_nproc()
+    check_nproc(nproc)
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts)]
+    if node.nnodes == 1 and node.master_port is None:
+        argv += ["--standalone"]
+    else:
+        if node.node_rank == 0 and _is_local(node.master_addr):
+            check_port_free(node.master_addr, node.master_port)
+        argv += [
+            "--nnodes", str(node.nnodes),
+            "--node-rank", str(node.node_rank),
+            "--master-addr", node.master_addr,
+            "--master-port", str(node.master_port),
+        ]  # fmt: skip
+    return argv + entry
+
+
+def worker_environment(opts: LaunchOptions) -> dict[str, str]:
+    """Variables every worker inherits: its thread budget and the collective timeout."""
+    nproc = opts.nproc or default_nproc()
+    threads = opts.threads or thread_budget(nproc)
+    env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads)}
+    if opts.timeout is not None:
+        env[TIMEOUT_ENV] = str(opts.timeout)
+    return env
+
+
+def describe_failure(error: ChildFailedError) -> str:
+    """One line naming the rank that failed first and what happened to it."""
+    rank, first = error.get_first_failure()
+    host = socket.gethostname()
+    if first.exitcode < 0:
+        what = f"was killed by {first.signal_name()}"
+    else:
+        what = f"exited with code {first.exitcode}"
+    others = sorted(r for r in error.failures if r != rank)
+    tail = f"; rank(s) {', '.join(map(str, others))} stopped after it" if others else ""
+    return f"loom: job failed: rank {rank} on {host} (pid {first.pid}) {what}{tail}"
+
+
+def run_job(entry: list[str], opts: LaunchOptions) -> int:
+    """Run this node's workers to completion; returns the exit code for the launching process."""
+    argv = torchrun_argv(opts, entry)
+    os.environ.update(worker_environment(opts))
+    # torchrun's own logging repeats what describe_failure says in one line.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as error:
+        print(describe_failure(error), file=sys.stderr, flush=True)
+        return 1
+    return 0

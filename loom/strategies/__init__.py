@@ -1,0 +1,46 @@
+"""One module per strategy; ``get_strategy`` finds one by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.cluster import TorchrunEnvironment
+from loom.strategies.base import Strategy, unwrap
+from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from loom.strategies.one_device import OneDeviceStrategy
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    "one_device": OneDeviceStrategy,
+    "mirrored": MirroredStrategy,
+    "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+}
+
+
+def get_strategy(name: str, **options: Any) -> Strategy:
+    """Build a strategy by its registered name, e.g. ``get_strategy("mirrored", precision="bf16-mixed")``."""
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
+    return cls(**options)
+
+
+def auto_strategy(**options: Any) -> Strategy:
+    """What a job started this way needs: one device alone, Mirrored on one node, else multi-worker."""
+    if not TorchrunEnvironment.detect() or TorchrunEnvironment.resolve().world_size == 1:
+        return OneDeviceStrategy(**options)
+    if TorchrunEnvironment.resolve().nnodes == 1:
+        return MirroredStrategy(**options)
+    return MultiWorkerMirroredStrategy(**options)
+
+
+__all__ = [
+    "STRATEGIES",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
+    "OneDeviceStrategy",
+    "Strategy",
+    "auto_strategy",
+    "get_strategy",
+    "unwrap",
+]

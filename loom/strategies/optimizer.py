@@ -1,0 +1,74 @@
+"""The optimizer ``prepare`` hands back: the user's, stepping through the strategy."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+
+class StrategyOptimizer(torch.optim.Optimizer):
+    """Skips ``step``/``zero_grad`` inside a gradient-accumulation cycle and unscales fp16 gradients.
+
+    It owns no state: ``state`` and ``param_groups`` are the wrapped optimizer's, so LR
+    schedulers (which need an ``Optimizer``) and checkpoints see the real thing. It subclasses
+    ``Optimizer`` for those isinstance checks and deliberately skips its ``__init__``.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+        should_step: Callable[[], bool] = lambda: True,
+    ) -> None:
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self._should_step = should_step
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if not self._should_step():
+            return None
+        if self.scaler is None:
+            return self.optimizer.step(closure)
+        if closure is not None:
+            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
+        result = self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._should_step():
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet: avoid recursing during construction
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"StrategyOptimizer({self.optimizer!r})"
