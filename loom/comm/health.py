@@ -93,10 +93,14 @@ class HealthMonitor:
                 return
             self._stop.wait(self.interval)
 
-    def post_failure(self, reason: str) -> None:
-        """Tell the other ranks why this one is about to exit."""
+    def post_failure(self, reason: str, victim: bool = False) -> None:
+        """Tell the other ranks why this one is about to exit.
+
+        A victim (stopping because another rank failed) is recorded apart, so that a rank
+        diagnosing later still points at the root cause rather than at other victims.
+        """
         try:
-            self._store.set(self._key("failed", self.spec.rank), reason[:500])
+            self._store.set(self._key("victim" if victim else "failed", self.spec.rank), reason[:500])
         except Exception:
             pass
 
@@ -125,7 +129,7 @@ class HealthMonitor:
         members = {r: self._member(r) for r in others}
         found: list[str] = []
         for r, info in members.items():
-            if info is None:
+            if info is None or self._store.check([self._key("victim", r)]):
                 continue
             where = f"rank {r} ({info['host']}, pid {info['pid']})"
             notice = self._key("failed", r)
@@ -134,7 +138,7 @@ class HealthMonitor:
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
                 found.append(f"{where} died")
         if not found and sample_heartbeats:
-            alive = [r for r, info in members.items() if info is not None]
+            alive = [r for r, info in members.items() if info is not None and not self._store.check([self._key("victim", r)])]
             before = self._beats(alive)
             time.sleep(2.5 * self.interval)
             after = self._beats(alive)
@@ -153,6 +157,7 @@ class HealthMonitor:
         reason = self.diagnose(sample_heartbeats=looks_distributed(cause))
         if reason is None:
             return None
+        self.post_failure(reason, victim=True)
         return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: {reason}")
 
     def _excepthook(self, exc_type, exc, tb) -> None:
@@ -165,6 +170,8 @@ class HealthMonitor:
     def _on_sigterm(self, signum, frame) -> None:
         # The agent terminates the survivors once one worker has failed: say which one.
         reason = self.diagnose(sample_heartbeats=False)
+        if reason:
+            self.post_failure(reason, victim=True)
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
         print(f"loom: rank {self.spec.rank} on {self.host} {why}", file=sys.stderr, flush=True)
         os._exit(1)

@@ -114,7 +114,7 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
     argv = torchrun_argv(opts, entry)
     os.environ.update(worker_environment(opts))
     # torchrun's own logging repeats what describe_failure says in one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as error:
