@@ -14,4 +14,10 @@ class LaunchError(LoomError):
 
 
 class RankFailureError(LoomError):
-    """Another rank of the job died or stopped responding, so this one cannot go on."""
+    """Another rank of the job died or stopped responding, so this one cannot go on.
+
+    A process stopping for this reason exits with ``EXIT_CODE`` (EX_TEMPFAIL), so the launcher
+    can tell the rank that failed first from the ranks that stopped because of it.
+    """
+
+    EXIT_CODE = 75

@@ -71,8 +71,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
 
 def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess:
     """``loom <args>`` in a subprocess, killed (failing the test) if it outlives ``timeout``."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    full_env.pop("TF_CONFIG", None)
+    inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # only an explicit one counts
+    full_env = {**inherited, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT, **kw)
 
 

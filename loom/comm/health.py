@@ -162,8 +162,8 @@ class HealthMonitor:
 
     def _excepthook(self, exc_type, exc, tb) -> None:
         if isinstance(exc, RankFailureError):  # a victim, not a cause: one line is the whole story
-            print(f"loom: {exc}", file=sys.stderr, flush=True)
-            return
+            _say(f"loom: {exc}")
+            os._exit(RankFailureError.EXIT_CODE)  # skip teardown: the group is broken and may hang
         self.post_failure("".join(traceback.format_exception_only(exc_type, exc)).strip())
         self._previous_excepthook(exc_type, exc, tb)
 
@@ -173,8 +173,14 @@ class HealthMonitor:
         if reason:
             self.post_failure(reason, victim=True)
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
-        print(f"loom: rank {self.spec.rank} on {self.host} {why}", file=sys.stderr, flush=True)
-        os._exit(1)
+        _say(f"loom: rank {self.spec.rank} on {self.host} {why}")
+        os._exit(RankFailureError.EXIT_CODE if reason else 128 + signal.SIGTERM)
+
+
+def _say(line: str) -> None:
+    """One write per line: the ranks share a terminal, and split writes interleave."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode())
 
 
 def looks_distributed(exc: BaseException) -> bool:

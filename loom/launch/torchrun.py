@@ -19,7 +19,12 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from loom.cluster import NodeSpec, resolve_node
 from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import THREADS_ENV, check_nproc, default_nproc, thread_budget
-from loom.errors import LaunchError
+from loom.errors import LaunchError, RankFailureError
+
+# Seconds the agent waits for workers to exit after SIGTERM before it kills them. (torch's
+# agent applies it when it is itself signalled; after a worker failure it waits its own 30 s,
+# which only a stuck worker ever uses: loom's workers exit at once.)
+SHUTDOWN_GRACE = 10
 
 
 @dataclass
@@ -71,7 +76,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
     node = opts.node()
     nproc = opts.nproc or default_nproc()
     check_nproc(nproc)
-    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts)]
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts), "--shutdown-timeout", str(SHUTDOWN_GRACE)]
     if node.nnodes == 1 and node.master_port is None:
         argv += ["--standalone"]
     else:
@@ -97,15 +102,20 @@ def worker_environment(opts: LaunchOptions) -> dict[str, str]:
 
 
 def describe_failure(error: ChildFailedError) -> str:
-    """One line naming the rank that failed first and what happened to it."""
-    rank, first = error.get_first_failure()
+    """One line naming the rank that failed first and what happened to it.
+
+    Ranks that exited because another one failed (``RankFailureError.EXIT_CODE``) are not the
+    cause, even when they exited first (a stuck rank is the last to go).
+    """
+    causes = {r: f for r, f in error.failures.items() if f.exitcode != RankFailureError.EXIT_CODE}
+    rank, first = min((causes or error.failures).items(), key=lambda item: item[1].timestamp)
     host = socket.gethostname()
     if first.exitcode < 0:
         what = f"was killed by {first.signal_name()}"
     else:
         what = f"exited with code {first.exitcode}"
     others = sorted(r for r in error.failures if r != rank)
-    tail = f"; rank(s) {', '.join(map(str, others))} stopped after it" if others else ""
+    tail = f"; rank(s) {', '.join(map(str, others))} stopped because of it" if others else ""
     return f"loom: job failed: rank {rank} on {host} (pid {first.pid}) {what}{tail}"
 
 

@@ -1,0 +1,116 @@
+"""A dead or stuck rank is named within the timeout; jobs that succeed exit cleanly."""
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, loom_run
+
+KILL_SCRIPT = str(SCRIPTS / "train_until_killed.py")
+
+
+def start_training(pid_dir: Path, timeout: float) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [*LOOM, "run", "--nproc", "4", "--timeout", str(timeout), KILL_SCRIPT, str(pid_dir)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def wait_for_pids(pid_dir: Path, job: subprocess.Popen, deadline: float = 60) -> dict[int, int]:
+    end = time.monotonic() + deadline
+    while time.monotonic() < end:
+        files = list(pid_dir.glob("rank*.pid"))
+        if len(files) == 4 and all(f.read_text() for f in files):
+            return {int(f.stem[4:]): int(f.read_text()) for f in files}
+        assert job.poll() is None, job.communicate()[1]
+        time.sleep(0.2)
+    job.kill()
+    pytest.fail(f"the job did not start training within {deadline}s")
+
+
+def test_kill_9_of_one_rank_names_it_everywhere(tmp_path):
+    timeout = 20
+    job = start_training(tmp_path, timeout)
+    pids = wait_for_pids(tmp_path, job)
+    killed_at = time.monotonic()
+    os.kill(pids[2], signal.SIGKILL)
+    try:
+        _, err = job.communicate(timeout=timeout + 15)
+    finally:
+        job.kill()
+    assert time.monotonic() - killed_at < timeout
+    assert job.returncode != 0
+    for survivor in (0, 1, 3):
+        assert f"loom: rank {survivor} on " in err and f"cannot continue: rank 2 (" in err, err
+    assert "loom: job failed: rank 2 on" in err and "was killed by SIGKILL; rank(s) 0, 1, 3 stopped because of it" in err
+
+
+def test_stuck_rank_is_named_within_the_timeout(tmp_path):
+    timeout = 6
+    job = start_training(tmp_path, timeout)
+    pids = wait_for_pids(tmp_path, job)
+    os.kill(pids[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    survivors: set[int] = set()
+    try:
+        while len(survivors) < 3:  # read the survivors' verdicts as they come
+            line = job.stderr.readline()
+            assert line, "the job ended before every survivor named the stuck rank"
+            if "cannot continue: rank 1 (" in line and "stopped responding" in line:
+                survivors.add(int(line.split("loom: rank ")[1].split()[0]))
+        assert time.monotonic() - stopped_at < timeout + 10
+        assert survivors == {0, 2, 3}
+    finally:
+        os.kill(pids[1], signal.SIGKILL)
+        job.communicate(timeout=60)
+    assert job.returncode != 0
+
+
+def test_ten_launches_exit_cleanly():
+    for attempt in range(10):
+        done = loom_run(["run", "--nproc", "4", str(SCRIPTS / "allreduce_once.py")], timeout=60)
+        assert done.returncode == 0, f"launch {attempt}: {done.stderr}"
+        assert "terminate called" not in done.stderr, f"launch {attempt} aborted at teardown: {done.stderr}"
+
+
+def test_port_in_use_is_one_clear_line():
+    port = free_port()
+    with socket.socket() as holder:
+        holder.bind(("", port))
+        holder.listen()
+        done = loom_run(["run", "--nnodes", "2", "--node-rank", "0", "--master", f"127.0.0.1:{port}", "--nproc", "1", "x.py"], timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"loom: error: port {port} on 127.0.0.1 is already in use (another job?); "
+        f"pass a free one with --master 127.0.0.1:PORT, or stop the process holding it"
+    )
+
+
+def test_malformed_tf_config_is_one_clear_line():
+    done = loom_run(["run", "x.py"], env={"TF_CONFIG": "{\"cluster\": "}, timeout=30)
+    assert done.returncode == 2
+    assert done.stderr.startswith("loom: error: TF_CONFIG is not valid JSON (Expecting value at char 12)")
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_user_error_on_one_rank_is_reported_by_the_others(tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import torch, loom\n"
+        "def main():\n"
+        "    s = loom.MirroredStrategy()\n"
+        "    if s.replica_id == 1:\n"
+        "        raise ValueError('bad shape in rank one')\n"
+        "    s.barrier()\n"
+        "loom.launch(main)\n"
+    )
+    done = loom_run(["run", "--nproc", "2", "--timeout", "20", str(script)], timeout=60)
+    assert done.returncode != 0
+    assert "ValueError: bad shape in rank one" in done.stderr
+    assert "loom: job failed: rank 1 on" in done.stderr
