@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -31,7 +33,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", LOOM_THREADS="1",
     )  # fmt: skip
     try:
-        results.put((rank, True, fn(*args)))
+        # Plain pickle: a tensor sent through the queue as-is goes by shared memory, which
+        # is gone once this process exits.
+        results.put((rank, True, pickle.dumps(fn(*args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
 
@@ -54,12 +58,12 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
         for _ in range(world):
             try:
                 rank, ok, value = results.get(timeout=timeout)
-            except Exception:
+            except queue.Empty:
                 missing = sorted(set(range(world)) - set(collected))
                 raise TimeoutError(f"rank(s) {missing} did not finish within {timeout}s") from None
             if not ok:
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            collected[rank] = value
+            collected[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=10)
