@@ -1,0 +1,35 @@
+import json
+import re
+
+from loom.launch.cli import main
+from loom.launch.torchrun import LaunchOptions, torchrun_argv, worker_environment
+
+
+def test_env_shows_what_a_launch_resolves(capsys, monkeypatch):
+    config = {"cluster": {"worker": ["10.1.0.1:2300", "10.1.0.2:2300"]}, "task": {"type": "worker", "index": 1}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    assert main(["env", "--nproc", "3", "--threads", "5"]) == 0
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert rows["cluster from"] == "TF_CONFIG"
+    assert rows["nodes"] == "2" and rows["this node's rank"] == "1"
+    assert rows["master"] == "10.1.0.1:2300" and rows["hosts"] == "10.1.0.1, 10.1.0.2"
+    assert rows["world size"] == "6" and rows["threads per process"] == "5"
+
+
+def test_launch_arguments_for_one_node_and_many():
+    assert torchrun_argv(LaunchOptions(nproc=2), ["t.py"])[-2:] == ["--standalone", "t.py"]
+    argv = torchrun_argv(LaunchOptions(nproc=2, nnodes=2, node_rank=1, master="10.0.0.9:1234"), ["-m", "pkg.train", "--lr", "1"])
+    assert argv[argv.index("--node-rank") + 1] == "1" and argv[argv.index("--master-addr") + 1] == "10.0.0.9"
+    assert argv[-4:] == ["-m", "pkg.train", "--lr", "1"]
+
+
+def test_threads_are_split_between_local_processes(monkeypatch):
+    monkeypatch.setattr("loom.devices.available_cores", lambda: 16)
+    assert worker_environment(LaunchOptions(nproc=4))["LOOM_THREADS"] == "4"
+    assert worker_environment(LaunchOptions(nproc=4, threads=2, timeout=9))["OMP_NUM_THREADS"] == "2"
+    assert worker_environment(LaunchOptions(nproc=4, timeout=9))["LOOM_TIMEOUT"] == "9"
+
+
+def test_bad_cli_input_is_one_line(capsys):
+    assert main(["env", "--nnodes", "2", "--node-rank", "5", "--master", "h:1"]) == 2
+    assert capsys.readouterr().err == "loom: error: node rank 5 is outside 0..1 for a job of 2 node(s) (flags); give each node a distinct rank below nnodes\n"
