@@ -17,13 +17,14 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, U
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.comm import Connection, resolve_timeout
 from loom.data import DistributedLoader
 from loom.strategies.optimizer import StrategyOptimizer
-from loom.strategies.precision import Precision
+from loom.strategies.precision import AutocastModule, Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Number = TypeVar("Number", int, float)
@@ -218,8 +219,14 @@ class Strategy(ABC):
         )
 
 
+WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module the user passed to ``prepare``, from whatever wrappers the strategy added."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+    """The module the user passed to ``prepare``, from whatever wrappers the strategy added.
+
+    Only loom's wrappers are peeled: a user's model may well have a submodule named ``module``.
+    """
+    while isinstance(model, WRAPPERS):
         model = model.module
     return model

@@ -22,6 +22,16 @@ def test_prepare_keeps_the_users_module_and_unwrap_finds_it():
     assert not torch.equal(before, net.weight)  # the module passed in holds the trained weights
 
 
+def test_unwrap_peels_only_loom_wrappers():
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = nn.Linear(2, 2)  # a user's own submodule that happens to be called "module"
+
+    holder = Holder()
+    assert loom.unwrap(loom.OneDeviceStrategy(precision="bf16-mixed").prepare(holder)) is holder
+
+
 def test_mixed_precision_runs_forward_in_low_precision_and_returns_fp32():
     seen = {}
 
