@@ -8,6 +8,7 @@ from typing import Any, Callable
 from loom.cluster import TorchrunEnvironment
 from loom.errors import LaunchError
 from loom.launch.torchrun import LaunchOptions, run_job
+from loom.launch.worker import run_and_exit
 
 
 def _this_program() -> list[str]:
@@ -26,20 +27,21 @@ def _this_program() -> list[str]:
     return [path, *sys.argv[1:]]
 
 
-def launch(main: Callable[[], Any], nproc: int | None = None, **options: Any) -> Any:
+def launch(main: Callable[[], Any], nproc: int | None = None, **options: Any) -> None:
     """Run ``main`` once per replica.
 
-    Inside a worker (started by torchrun or ``loom run``) this simply calls ``main()``.
-    Otherwise it re-runs this script under torchrun's agent with ``nproc`` processes on this
-    node (``options`` are those of ``loom run``: nnodes, node_rank, master, threads, timeout,
-    max_restarts) and exits with the job's status if it failed.
+    Outside a job it re-runs this script under torchrun's agent with ``nproc`` processes on
+    this node (``options`` are those of ``loom run``: nnodes, node_rank, master, threads,
+    timeout, max_restarts), returns when the job succeeded and exits with its status if not.
+    Inside a worker (started by ``loom run``, torchrun or the call above) it runs ``main()``
+    and then ends the process cleanly (see ``loom.launch.worker``): code after ``launch()``
+    runs only in the launching process.
     """
     if TorchrunEnvironment.detect():
-        return main()
+        run_and_exit(main)
     unknown = set(options) - set(LaunchOptions.__dataclass_fields__)
     if unknown:
         raise TypeError(f"launch() got unknown option(s) {sorted(unknown)}; valid: {sorted(LaunchOptions.__dataclass_fields__)}")
     code = run_job(_this_program(), LaunchOptions(nproc=nproc, **options))
     if code:
         raise SystemExit(code)
-    return None

@@ -21,6 +21,8 @@ from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import THREADS_ENV, check_nproc, default_nproc, thread_budget
 from loom.errors import LaunchError, RankFailureError
 
+WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
+
 # Seconds the agent waits for workers to exit after SIGTERM before it kills them. (torch's
 # agent applies it when it is itself signalled; after a worker failure it waits its own 30 s,
 # which only a stuck worker ever uses: loom's workers exit at once.)
@@ -88,7 +90,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
             "--master-addr", node.master_addr,
             "--master-port", str(node.master_port),
         ]  # fmt: skip
-    return argv + entry
+    return argv + ["-m", WORKER] + entry
 
 
 def worker_environment(opts: LaunchOptions) -> dict[str, str]:

@@ -17,10 +17,10 @@ def test_env_shows_what_a_launch_resolves(capsys, monkeypatch):
 
 
 def test_launch_arguments_for_one_node_and_many():
-    assert torchrun_argv(LaunchOptions(nproc=2), ["t.py"])[-2:] == ["--standalone", "t.py"]
+    assert torchrun_argv(LaunchOptions(nproc=2), ["t.py"])[-4:] == ["--standalone", "-m", "loom.launch.worker", "t.py"]
     argv = torchrun_argv(LaunchOptions(nproc=2, nnodes=2, node_rank=1, master="10.0.0.9:1234"), ["-m", "pkg.train", "--lr", "1"])
     assert argv[argv.index("--node-rank") + 1] == "1" and argv[argv.index("--master-addr") + 1] == "10.0.0.9"
-    assert argv[-4:] == ["-m", "pkg.train", "--lr", "1"]
+    assert argv[-6:] == ["-m", "loom.launch.worker", "-m", "pkg.train", "--lr", "1"]
 
 
 def test_threads_are_split_between_local_processes(monkeypatch):
