@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import typing
 from dataclasses import MISSING, fields
+from typing import Any
 
 import torch
 
@@ -15,11 +17,17 @@ from loom.errors import LoomError
 from loom.launch.torchrun import LaunchOptions, run_job
 
 
+def _value_type(hint: Any) -> Any:
+    """``int | None`` -> ``int``: what argparse should convert the flag's text to."""
+    options = [t for t in typing.get_args(hint) if t is not type(None)]
+    return options[0] if options else hint
+
+
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    hints = typing.get_type_hints(LaunchOptions)
     for f in fields(LaunchOptions):
-        kind = int if f.type in ("int | None", "int") else float if "float" in str(f.type) else str
         default = None if f.default is MISSING else f.default
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=default, help=f.metadata["help"])
+        parser.add_argument("--" + f.name.replace("_", "-"), type=_value_type(hints[f.name]), default=default, help=f.metadata["help"])
 
 
 def _options(args: argparse.Namespace) -> LaunchOptions:
