@@ -74,10 +74,11 @@ class ProgressBar(Callback):
         if self._progress is None:
             return
         self._steps += 1
+        self._progress.update(self._task, completed=self._steps)  # cheap: rich redraws on its own thread
         now = time.perf_counter()
         if now - self._last >= self.refresh_seconds:  # .item() syncs: only as often as a person can read
             rate = self._steps * state.global_batch / (now - self._start)
-            self._progress.update(self._task, completed=self._steps, status=f"loss {loss.item():.4f}  {rate:,.0f} samples/s")
+            self._progress.update(self._task, status=f"loss {loss.item():.4f}  {rate:,.0f} samples/s")
             self._last = now
 
     def on_epoch_end(self, state: FitState, logs: dict[str, float]) -> None:

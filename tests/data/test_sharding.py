@@ -111,3 +111,23 @@ def test_iterable_uneven_tail_valid_counts():
 def test_bad_data_type():
     with pytest.raises(TypeError, match="takes a torch Dataset, an iterable or a DataLoader"):
         DistributedLoader(42, 4, 1, 0, CPU)
+
+
+def _replica_samples(n, global_batch):
+    import loom
+
+    strategy = loom.MirroredStrategy(timeout=30)
+    loader = strategy.distribute(TensorDataset(torch.arange(n)), batch_size=global_batch, seed=4)
+    real = [b[0][: loader.valid_count(k)] for k, b in enumerate(loader)]
+    everyone = strategy.gather(torch.cat(real))
+    strategy.shutdown()
+    return len(loader), everyone.tolist()
+
+
+def test_exactly_once_through_the_strategy_on_three_processes():
+    from tests.helpers import run_ranks
+
+    results = run_ranks(_replica_samples, 3, 100, 12, timeout=60)  # 100 % 12 != 0: a padded last batch
+    assert {steps for steps, _ in results} == {9}
+    for _, seen in results:
+        assert sorted(seen) == list(range(100))
