@@ -8,7 +8,7 @@ from typing import Any, Callable
 from loom.cluster import TorchrunEnvironment
 from loom.errors import LaunchError
 from loom.launch.torchrun import LaunchOptions, run_job
-from loom.launch.worker import run_and_exit
+from loom.launch.clean_exit import run_and_exit
 
 
 def _this_program() -> list[str]:
@@ -34,7 +34,7 @@ def launch(main: Callable[[], Any], nproc: int | None = None, **options: Any) ->
     this node (``options`` are those of ``loom run``: nnodes, node_rank, master, threads,
     timeout, max_restarts), returns when the job succeeded and exits with its status if not.
     Inside a worker (started by ``loom run``, torchrun or the call above) it runs ``main()``
-    and then ends the process cleanly (see ``loom.launch.worker``): code after ``launch()``
+    and then ends the process cleanly (see ``loom.launch.clean_exit``): code after ``launch()``
     runs only in the launching process.
     """
     if TorchrunEnvironment.detect():

@@ -1,60 +1,17 @@
-"""How every loom worker starts and ends: ``python -m loom.launch.worker SCRIPT|-m MODULE [args]``.
+"""Every loom worker starts here: ``python -m loom.launch.worker SCRIPT|-m MODULE [args]``.
 
-It runs the user's program as ``__main__`` and then exits on purpose. Once DDP has been built,
-PyTorch keeps the gloo process group (and its threads) alive past ``destroy_process_group``
-(the C++ reducer holds it), and destroying it during the interpreter's C++ teardown
-sometimes aborts a finished worker with "terminate called without an active exception".
-So the worker runs the atexit handlers (loom's leave the process group there), flushes every
-open file, and leaves with ``os._exit``, skipping only that teardown.
+It runs the user's program as ``__main__`` and ends the process through ``clean_exit``. Kept
+out of the package's imports, so that ``-m`` runs it exactly once.
 """
 
 from __future__ import annotations
 
-import atexit
-import gc
-import io
 import os
 import runpy
 import sys
-from typing import Any, Callable, NoReturn
+from typing import NoReturn
 
-
-def _flush_open_files() -> None:
-    """Flush what normal interpreter teardown would have: files the program never closed."""
-    for obj in gc.get_objects():
-        if issubclass(type(obj), io.IOBase):  # type(): some proxies warn when asked for __class__
-            try:
-                if not obj.closed and obj.writable():
-                    obj.flush()
-            except Exception:
-                pass
-
-
-def _exit(code: int) -> NoReturn:
-    atexit._run_exitfuncs()  # CPython's own teardown step, run here so os._exit loses nothing
-    _flush_open_files()
-    os._exit(code)
-
-
-def _exit_code(exc: SystemExit) -> int:
-    if exc.code is None:
-        return 0
-    if isinstance(exc.code, int):
-        return exc.code
-    print(exc.code, file=sys.stderr)
-    return 1
-
-
-def run_and_exit(program: Callable[[], Any]) -> NoReturn:
-    """Run ``program``, then end the process with its status (0, ``SystemExit``'s code, or 1)."""
-    try:
-        program()
-    except SystemExit as exc:
-        _exit(_exit_code(exc))
-    except BaseException:
-        sys.excepthook(*sys.exc_info())  # loom's hook tells the other ranks, then prints
-        _exit(1)
-    _exit(0)
+from loom.launch.clean_exit import run_and_exit
 
 
 def main(argv: list[str]) -> NoReturn:
