@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,7 +47,7 @@ class HealthMonitor:
     def __init__(self, spec: ClusterSpec, interval: float = 1.0, store_timeout: float = 10.0) -> None:
         self.spec = spec
         self.interval = interval
-        self.host = socket.gethostname()
+        self.host = spec.host
         self._store_timeout = timedelta(seconds=store_timeout)
         self._store = self._connect()
         self._stop = threading.Event()
@@ -127,26 +126,25 @@ class HealthMonitor:
     def _diagnose(self, sample_heartbeats: bool) -> str | None:
         others = [r for r in range(self.spec.world_size) if r != self.spec.rank]
         members = {r: self._member(r) for r in others}
+        # Ranks that stopped because of another one are not the cause: look past them.
+        suspects = {r: info for r, info in members.items() if info and not self._store.check([self._key("victim", r)])}
+
+        def where(r: int) -> str:
+            return f"rank {r} ({suspects[r]['host']}, pid {suspects[r]['pid']})"
+
         found: list[str] = []
-        for r, info in members.items():
-            if info is None or self._store.check([self._key("victim", r)]):
-                continue
-            where = f"rank {r} ({info['host']}, pid {info['pid']})"
+        for r, info in suspects.items():
             notice = self._key("failed", r)
             if self._store.check([notice]):
-                found.append(f"{where} failed: {self._store.get(notice).decode()}")
+                found.append(f"{where(r)} failed: {self._store.get(notice).decode()}")
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
-                found.append(f"{where} died")
+                found.append(f"{where(r)} died")
         if not found and sample_heartbeats:
-            alive = [r for r, info in members.items() if info is not None and not self._store.check([self._key("victim", r)])]
-            before = self._beats(alive)
+            before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)
-            after = self._beats(alive)
-            found = [
-                f"rank {r} ({members[r]['host']}, pid {members[r]['pid']}) stopped responding (no heartbeat for {2.5 * self.interval:.1f}s)"
-                for r in alive
-                if after[r] == before[r]
-            ]
+            after = self._beats(list(suspects))
+            silent = f"stopped responding (no heartbeat for {2.5 * self.interval:.1f}s)"
+            found = [f"{where(r)} {silent}" for r in suspects if after[r] == before[r]]
         never = [str(r) for r, info in members.items() if info is None]
         if not found and never:
             found.append(f"rank(s) {', '.join(never)} never joined the job")

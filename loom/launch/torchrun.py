@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import sys
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -43,10 +43,6 @@ class LaunchOptions:
 
     def node(self) -> NodeSpec:
         return resolve_node(self.nnodes, self.node_rank, self.master)
-
-
-def option_names() -> list[str]:
-    return [f.name for f in fields(LaunchOptions)]
 
 
 def _is_local(host: str) -> bool:
