@@ -13,6 +13,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
+from functools import cached_property
 from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, Union
 
 import torch
@@ -28,7 +29,6 @@ from loom.strategies.precision import AutocastModule, Precision
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Number = TypeVar("Number", int, float)
-REDUCE_OPS = ("sum", "mean", "max", "min")
 
 
 class Strategy(ABC):
@@ -62,11 +62,10 @@ class Strategy(ABC):
         """The replica that logs, prints and writes files that exist once per job."""
         return self.replica_id == 0
 
-    @property
+    @cached_property
     def precision(self) -> Precision:
-        if not hasattr(self, "_precision"):
-            self._precision = Precision(self._precision_name, self.device)
-        return self._precision
+        """Built on first use: subclasses know their device only after this class's __init__."""
+        return Precision(self._precision_name, self.device)
 
     # ---- model and optimizer ----------------------------------------------------------------
     def _wrap_model(self, module: nn.Module) -> nn.Module:
@@ -176,9 +175,10 @@ class Strategy(ABC):
 
     # ---- cross-replica values ---------------------------------------------------------------
     def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
-        """Combine a tensor or a Python number over all replicas; every replica gets the result."""
-        if op not in REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
+        """Combine a tensor or a Python number over all replicas; every replica gets the result.
+
+        ``op`` is one of ``loom.comm``'s: sum, mean, max, min, product.
+        """
         if isinstance(value, torch.Tensor):
             tensor = value.detach().clone()
             if op == "mean" and not tensor.is_floating_point():
