@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
-from loom.data.sharding import ReplicaBatchSampler, ShardPlan, check_global_batch
+from loom.data.sharding import ReplicaBatchSampler, ShardPlan, check_global_batch, epoch_seed
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -66,7 +66,7 @@ class DistributedLoader:
         self._started = False
         self.dataset = data
         self.plan: ShardPlan | None = None
-        self._iterable_valid: dict[int, int] = {}
+        self._iterable_tail: tuple[int, int] | None = None  # (batch, real samples here) of an uneven last batch
         self._loader: DataLoader | None = None
         if not isinstance(data, IterableDataset) and hasattr(data, "__getitem__") and hasattr(data, "__len__"):
             self.plan = ShardPlan(len(data), batch_size, num_replicas, drop_last)
@@ -99,7 +99,8 @@ class DistributedLoader:
     def valid_count(self, batch: int) -> int:
         """Real (non-padding) samples in this replica's slice of global batch ``batch``."""
         if self.plan is None:
-            return self._iterable_valid.get(batch, self.per_replica_batch)
+            tail_batch, tail_count = self._iterable_tail or (-1, 0)
+            return tail_count if batch == tail_batch else self.per_replica_batch
         return self.plan.valid_count(batch, self.replica)
 
     def __iter__(self) -> Iterator[Any]:
@@ -121,24 +122,25 @@ class DistributedLoader:
         Simple and exact for any iterable; the input pipeline shards by file instead.
         With ``shuffle``, a seeded buffer of 16 global batches reorders the stream.
         """
-        self._iterable_valid.clear()
+        self._iterable_tail = None
         stream: Iterable[Any] = self.dataset
         if self.shuffle:
-            stream = _buffer_shuffle(stream, 16 * self.global_batch, random.Random(self.seed * 1_000_003 + self.epoch))
+            stream = _buffer_shuffle(stream, 16 * self.global_batch, random.Random(epoch_seed(self.seed, self.epoch)))
+        mine = slice(self.replica * self.per_replica_batch, (self.replica + 1) * self.per_replica_batch)
         chunk: list[Any] = []
         batch = 0
         for sample in stream:
             chunk.append(sample)
             if len(chunk) == self.global_batch:
-                yield self.collate_fn(self._take(chunk, batch))
+                yield self.collate_fn(chunk[mine])
                 chunk, batch = [], batch + 1
         if chunk and not self.drop_last:
-            yield self.collate_fn(self._take(chunk, batch))
+            yield self.collate_fn(self._take_tail(chunk, batch))
 
-    def _take(self, chunk: list[Any], batch: int) -> list[Any]:
-        """This replica's slice of one global batch read from the stream (same padding rule)."""
+    def _take_tail(self, chunk: list[Any], batch: int) -> list[Any]:
+        """This replica's slice of the stream's uneven last batch (the same padding rule)."""
         plan = ShardPlan(len(chunk), self.global_batch, self.num_replicas)
-        self._iterable_valid[batch] = plan.valid_count(0, self.replica)
+        self._iterable_tail = (batch, plan.valid_count(0, self.replica))
         return [chunk[i] for i in plan.replica_slice(list(range(len(chunk))), 0, self.replica)]
 
 

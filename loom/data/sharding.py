@@ -36,11 +36,16 @@ def check_global_batch(batch_size: int, num_replicas: int) -> int:
     return batch_size // num_replicas
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """One seed per (seed, epoch), so every epoch is shuffled differently and reproducibly."""
+    return seed * 1_000_003 + epoch
+
+
 def epoch_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
     """The global sample order of one epoch: identical on every replica and world size."""
     if not shuffle:
         return list(range(num_samples))
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
     return torch.randperm(num_samples, generator=generator).tolist()
 
 
@@ -71,9 +76,11 @@ class ShardPlan:
     def replica_slice(self, order: list[int], batch: int, replica: int) -> list[int]:
         """Dataset indices that ``replica`` reads for global batch ``batch``."""
         start = batch * self.global_batch
-        chunk = order[start : start + self.batch_size_of(batch)]
-        size = self.slice_size(batch)
-        padded = (chunk * math.ceil(size * self.num_replicas / len(chunk)))[: size * self.num_replicas]
+        real, size = self.batch_size_of(batch), self.slice_size(batch)
+        if real == size * self.num_replicas:  # every batch but an uneven last one
+            return order[start + replica * size : start + (replica + 1) * size]
+        chunk = order[start : start + real]
+        padded = (chunk * math.ceil(size * self.num_replicas / real))[: size * self.num_replicas]
         return padded[replica * size : (replica + 1) * size]
 
     def valid_count(self, batch: int, replica: int) -> int:
