@@ -11,7 +11,7 @@ import atexit
 import os
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,26 @@ def default_backend(device: torch.device) -> str:
 
 
 class Connection:
-    """This process's membership in the job: the default process group plus its monitor."""
+    """This process's membership in the job: the default process group plus its monitor.
+
+    Like torch's default process group, it exists once per process: ``join`` hands every
+    strategy in the process the same one, so there is one heartbeat and one set of hooks.
+    """
+
+    _open: ClassVar[Connection | None] = None
+
+    @classmethod
+    def join(cls, spec: ClusterSpec, device: torch.device, timeout: float, backend: str | None = None) -> Connection:
+        """The process's connection, made on first use."""
+        live = cls._open
+        if live is None:
+            cls._open = live = cls(spec, device, timeout, backend)
+        elif (live.backend, live.timeout) != (backend or default_backend(device), timeout):
+            raise ClusterError(
+                f"this process already joined the job with backend {live.backend} and timeout {live.timeout:g}s; "
+                f"another strategy in it asked for {backend or default_backend(device)} and {timeout:g}s: use the same"
+            )
+        return live
 
     def __init__(self, spec: ClusterSpec, device: torch.device, timeout: float, backend: str | None = None) -> None:
         self.spec = spec
@@ -80,7 +99,9 @@ class Connection:
             raise error from exc
 
     def close(self) -> None:
-        """Stop the monitor and destroy the group (idempotent)."""
+        """Stop the monitor and destroy the group (idempotent); every strategy sharing it leaves too."""
+        if Connection._open is self:
+            Connection._open = None
         self.monitor.stop()
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()

@@ -56,7 +56,7 @@ class MirroredStrategy(Strategy):
         self._device = local_device(self.cluster.local_rank)
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
         self._ddp: list[DistributedDataParallel] = []
-        self._connection = Connection(self.cluster, self._device, self.timeout, backend)
+        self._connection = Connection.join(self.cluster, self._device, self.timeout, backend)
 
     def _check_topology(self, num_replicas: int | None) -> None:
         world = self.cluster.world_size
