@@ -22,33 +22,45 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Metrics = Union[None, Sequence[Union[str, Metric]], Mapping[str, Metric]]
 
 
-def _epoch_logs(strategy: Strategy, sums: torch.Tensor, names: list[str], prefix: str = "") -> dict[str, float]:
-    """Sums of [loss, metric..., count] on this replica -> means over all replicas (one all-reduce)."""
-    total = strategy.reduce(sums, "sum")
-    count = max(float(total[-1]), 1.0)
-    return {prefix + name: float(value) / count for name, value in zip(names, total[:-1])}
+class _Totals:
+    """Per-replica sums of [loss * n, each metric] on the device, and the sample count on the host.
 
+    Kept apart so a step adds no host-to-device copy; ``reduce`` combines both over the
+    replicas in one all-reduce.
+    """
 
-def _score(outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, metrics: dict[str, Metric], n: int) -> torch.Tensor:
-    """[loss * n, sum of each metric, n] for the first ``n`` samples, as one float64 tensor."""
-    values = [loss.detach().double() * n]
-    values += [fn(outputs[:n].detach(), targets[:n]).double().sum() for fn in metrics.values()]
-    values.append(torch.tensor(float(n), dtype=torch.float64, device=loss.device))
-    return torch.stack(values)
+    def __init__(self, metrics: dict[str, Metric], device: torch.device) -> None:
+        self.metrics = metrics
+        self.names = ["loss", *metrics]
+        self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
+        self.count = 0
+
+    def add(self, outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, n: int) -> None:
+        """Score the first ``n`` samples of a batch whose mean loss is ``loss``."""
+        scores = [loss.detach().double() * n]
+        scores += [fn(outputs[:n].detach(), targets[:n]).double().sum() for fn in self.metrics.values()]
+        self.sums += torch.stack(scores)
+        self.count += n
+
+    def reduce(self, strategy: Strategy, prefix: str = "") -> tuple[dict[str, float], int]:
+        """Means over every sample of every replica, and how many samples that was."""
+        total = strategy.reduce(torch.cat([self.sums, self.sums.new_tensor([self.count])]), "sum")
+        count = int(total[-1])
+        return {prefix + name: float(value) / max(count, 1) for name, value in zip(self.names, total[:-1])}, count
 
 
 @torch.no_grad()
-def _evaluate_loader(model: nn.Module, loss_fn: LossFn, loader: DistributedLoader, metrics: dict[str, Metric]) -> torch.Tensor:
+def _evaluate_loader(model: nn.Module, loss_fn: LossFn, loader: DistributedLoader, metrics: dict[str, Metric]) -> _Totals:
     was_training = model.training
     model.eval()
-    sums = torch.zeros(len(metrics) + 2, dtype=torch.float64, device=loader.device)
+    totals = _Totals(metrics, loader.device)
     for k, (inputs, targets) in enumerate(loader):
         outputs = model(inputs)
         n = loader.valid_count(k)  # padding of an uneven last batch is left out
         if n:
-            sums += _score(outputs, targets, loss_fn(outputs[:n], targets[:n]), metrics, n)
+            totals.add(outputs, targets, loss_fn(outputs[:n], targets[:n]), n)
     model.train(was_training)
-    return sums
+    return totals
 
 
 def evaluate(
@@ -69,8 +81,7 @@ def evaluate(
     metrics_ = resolve_metrics(metrics)
     model = model.to(strategy.device)
     loader = strategy.distribute(data, batch_size, shuffle=False)
-    sums = _evaluate_loader(model, loss_fn, loader, metrics_)
-    return _epoch_logs(strategy, sums, ["loss", *metrics_])
+    return _evaluate_loader(model, loss_fn, loader, metrics_).reduce(strategy)[0]
 
 
 def fit(
@@ -112,7 +123,7 @@ def fit(
         train.set_epoch(epoch)
         for cb in hooks:
             cb.on_epoch_begin(state)
-        sums = torch.zeros(len(metrics_) + 2, dtype=torch.float64, device=strategy.device)
+        totals = _Totals(metrics_, strategy.device)
         prepared.train()
         start = time.perf_counter()
         for inputs, targets in train:
@@ -121,15 +132,15 @@ def fit(
             strategy.backward(loss)
             opt.step()
             opt.zero_grad()
-            sums += _score(outputs, targets, loss, metrics_, len(targets))
+            totals.add(outputs, targets, loss, len(targets))
             state.step += 1
             for cb in hooks:
                 cb.on_batch_end(state, loss)
         elapsed = time.perf_counter() - start
-        logs = _epoch_logs(strategy, sums, ["loss", *metrics_])
+        logs, samples = totals.reduce(strategy)
         if val is not None:
-            logs.update(_epoch_logs(strategy, _evaluate_loader(prepared, loss_fn, val, metrics_), ["loss", *metrics_], "val_"))
-        logs["samples_per_sec"] = strategy.reduce(sums[-1].item(), "sum") / max(strategy.reduce(elapsed, "max"), 1e-9)
+            logs.update(_evaluate_loader(prepared, loss_fn, val, metrics_).reduce(strategy, prefix="val_")[0])
+        logs["samples_per_sec"] = samples / max(strategy.reduce(elapsed, "max"), 1e-9)
         for key, value in logs.items():
             state.history.setdefault(key, []).append(value)
         for cb in hooks:
