@@ -12,7 +12,7 @@ import torch
 
 from loom.cluster import TorchrunEnvironment
 from loom.comm.process_group import default_backend, resolve_timeout
-from loom.devices import available_cores, cuda_count, default_nproc, thread_budget
+from loom.devices import available_cores, cuda_count
 from loom.errors import LoomError
 from loom.launch.torchrun import LaunchOptions, run_job
 
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
 def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
     """What ``loom run`` with these options would resolve on this machine (or, in a worker, what it did)."""
     node = opts.node()
-    nproc = opts.nproc or default_nproc()
+    nproc = opts.processes()
     gpus = cuda_count()
     device = torch.device("cuda" if gpus else "cpu")
     rows = [
@@ -65,7 +65,7 @@ def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
         ("processes per node", str(nproc)),
         ("world size", str(nproc * node.nnodes)),
         ("devices", f"{gpus} CUDA GPU(s)" if gpus else f"CPU, {available_cores()} core(s)"),
-        ("threads per process", str(opts.threads or thread_budget(nproc))),
+        ("threads per process", str(opts.threads_per_process())),
         ("backend", default_backend(device)),
         ("collective timeout", f"{resolve_timeout(opts.timeout):g}s"),
     ]

@@ -44,6 +44,13 @@ class LaunchOptions:
     def node(self) -> NodeSpec:
         return resolve_node(self.nnodes, self.node_rank, self.master)
 
+    def processes(self) -> int:
+        """Processes on this node: the flag, else the machine's default."""
+        return self.nproc or default_nproc()
+
+    def threads_per_process(self) -> int:
+        return self.threads or thread_budget(self.processes())
+
 
 def _is_local(host: str) -> bool:
     if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):
@@ -72,7 +79,7 @@ def check_port_free(host: str, port: int) -> None:
 def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
     """The torchrun command line for ``entry`` (``[script, args...]`` or ``['-m', module, args...]``)."""
     node = opts.node()
-    nproc = opts.nproc or default_nproc()
+    nproc = opts.processes()
     check_nproc(nproc)
     argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts), "--shutdown-timeout", str(SHUTDOWN_GRACE)]
     if node.nnodes == 1 and node.master_port is None:
@@ -91,8 +98,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
 
 def worker_environment(opts: LaunchOptions) -> dict[str, str]:
     """Variables every worker inherits: its thread budget and the collective timeout."""
-    nproc = opts.nproc or default_nproc()
-    threads = opts.threads or thread_budget(nproc)
+    threads = opts.threads_per_process()
     env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads)}
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = str(opts.timeout)
