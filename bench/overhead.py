@@ -16,65 +16,29 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loom  # noqa: E402
-from workloads import RESULTS, TINY, WORKLOADS, Workload, machine, save  # noqa: E402
+from workloads import RESULTS, TINY, WORKLOADS, Workload, endless, loom_step, machine, save, sgd_step, timed  # noqa: E402
 
 CONTENDERS = ("hand-written DDP", "loom fp32", "loom bf16-mixed")
 
 
-def endless(loader) -> Iterator:
-    while True:
-        yield from loader
-
-
-def loom_step(strategy: loom.Strategy, workload: Workload, data) -> Callable[[], None]:
-    torch.manual_seed(0)
-    model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
-    batches = endless(strategy.distribute(data, batch_size=workload.global_batch))
-
-    def step() -> None:
-        x, y = next(batches)
-        strategy.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
 def ddp_step(workload: Workload, data) -> Callable[[], None]:
+    """The same step written by hand: DistributedSampler, DataLoader, DDP, loss.backward()."""
     torch.manual_seed(0)
     model = DistributedDataParallel(workload.build(), bucket_cap_mb=25, gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     sampler = DistributedSampler(data, shuffle=True, seed=0)
     batches = endless(DataLoader(data, batch_size=workload.global_batch // dist.get_world_size(), sampler=sampler))
-
-    def step() -> None:
-        x, y = next(batches)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def timed(step: Callable[[], None], steps: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    dist.barrier()
-    return time.perf_counter() - start
+    return sgd_step(model, opt, batches, lambda loss: loss.backward())
 
 
 def main() -> None:
@@ -133,33 +97,18 @@ def python_cost_per_step(rounds: int) -> dict[str, float]:
     noise of +-150 us on this machine, far above the difference being measured.
     """
     data = TINY.data(batches=200)
-
-    def endless_steps(model, opt, batches, backward):
-        def step() -> None:
-            x, y = next(batches)
-            backward(F.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
-
-        return step
-
-    one = loom.OneDeviceStrategy()
-    torch.manual_seed(0)
-    model, opt = one.prepare(TINY.build(), lambda p: torch.optim.SGD(p, lr=0.01))
-    loom_run = endless_steps(model, opt, endless(one.distribute(data, batch_size=TINY.global_batch)), one.backward)
     torch.manual_seed(0)
     plain = TINY.build()
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
     plain_batches = endless(DataLoader(data, batch_size=TINY.global_batch, shuffle=True))
-    plain_run = endless_steps(plain, plain_opt, plain_batches, lambda loss: loss.backward())
-    steps = {"plain PyTorch loop": plain_run, "loom loop": loom_run}
+    steps = {
+        "plain PyTorch loop": sgd_step(plain, plain_opt, plain_batches, lambda loss: loss.backward()),
+        "loom loop": loom_step(loom.OneDeviceStrategy(), TINY, data),
+    }
     micros: dict[str, list[float]] = {name: [] for name in steps}
     for round_ in range(5 * rounds):
         for name in list(steps) if round_ % 2 == 0 else list(steps)[::-1]:
-            start = time.perf_counter()
-            for _ in range(200):
-                steps[name]()
-            micros[name].append((time.perf_counter() - start) / 200 * 1e6)
+            micros[name].append(timed(steps[name], 200, sync=lambda: None) / 200 * 1e6)
     return {name: statistics.median(m) for name, m in micros.items()}
 
 

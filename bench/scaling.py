@@ -18,17 +18,15 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loom  # noqa: E402
 from loom.devices import available_cores  # noqa: E402
 from loom.launch import LaunchOptions, run_job  # noqa: E402
-from workloads import RESULTS, WORKLOADS, machine, save  # noqa: E402
+from workloads import RESULTS, WORKLOADS, loom_step, machine, save, timed  # noqa: E402
 
 
 def measure(out: str, blocks: int, steps: int) -> None:
@@ -36,26 +34,9 @@ def measure(out: str, blocks: int, steps: int) -> None:
     strategy = loom.MirroredStrategy()
     results = {}
     for workload in WORKLOADS.values():
-        torch.manual_seed(0)
-        model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
-        batches = iter(strategy.distribute(workload.data(batches=3 + blocks * steps), batch_size=workload.global_batch))
-
-        def step() -> None:
-            x, y = next(batches)
-            strategy.backward(F.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
-
-        for _ in range(3):
-            step()
-        seconds = []
-        for _ in range(blocks):
-            strategy.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            strategy.barrier()
-            seconds.append((time.perf_counter() - start) / steps)
+        step = loom_step(strategy, workload, workload.data(batches=8))
+        timed(step, 3)  # warm-up
+        seconds = [timed(step, steps) / steps for _ in range(blocks)]
         results[workload.name] = workload.global_batch / statistics.median(seconds)
     if strategy.is_chief:
         Path(out).write_text(json.dumps({"samples_per_sec": results, "threads": torch.get_num_threads()}))

@@ -7,11 +7,15 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
+
+import loom
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,6 +59,41 @@ WORKLOADS = {
     "W1": Workload("W1", "MLP 784-2048-2048-2048-10, global batch 512", 512, mlp, (784,)),
     "W2": Workload("W2", "small CNN on 3x32x32, global batch 256", 256, small_cnn, (3, 32, 32)),
 }
+
+
+def endless(batches: Iterable) -> Iterator:
+    """Epoch after epoch of ``batches``, so a benchmark never runs out of data."""
+    while True:
+        yield from batches
+
+
+def sgd_step(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterator, backward: Callable) -> Callable[[], None]:
+    """One benchmark training step: next batch, cross-entropy, ``backward(loss)``, update."""
+
+    def step() -> None:
+        x, y = next(batches)
+        backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def loom_step(strategy: loom.Strategy, workload: Workload, data: TensorDataset) -> Callable[[], None]:
+    """A training step of ``workload`` under ``strategy``, written as a user would."""
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+    return sgd_step(model, opt, endless(strategy.distribute(data, batch_size=workload.global_batch)), strategy.backward)
+
+
+def timed(step: Callable[[], None], steps: int, sync: Callable[[], None] = dist.barrier) -> float:
+    """Seconds for ``steps`` steps, between two synchronisations of every replica."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    sync()
+    return time.perf_counter() - start
 
 
 def machine() -> dict[str, str | int]:
