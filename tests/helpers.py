@@ -73,17 +73,21 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
     return [collected[r] for r in range(world)]
 
 
+def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a job a test starts: this checkout importable, no inherited TF_CONFIG."""
+    inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # only an explicit one counts
+    return {**inherited, "PYTHONPATH": str(ROOT), **(extra or {})}
+
+
 def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess:
     """``loom <args>`` in a subprocess, killed (failing the test) if it outlives ``timeout``."""
-    inherited = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}  # only an explicit one counts
-    full_env = {**inherited, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT, **kw)
+    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout, env=job_env(env), cwd=ROOT, **kw)
 
 
 def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float = 60.0) -> list[subprocess.Popen]:
     """``nnodes`` ``loom run`` agents on localhost forming one job, as separate machines would."""
     master = f"127.0.0.1:{free_port()}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = job_env()
     return [
         subprocess.Popen(
             [*LOOM, "run", "--nnodes", str(nnodes), "--node-rank", str(node), "--master", master,

@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, loom_run
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, loom_run
 
 KILL_SCRIPT = str(SCRIPTS / "train_until_killed.py")
 
 
 def start_training(pid_dir: Path, timeout: float) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [*LOOM, "run", "--nproc", "4", "--timeout", str(timeout), KILL_SCRIPT, str(pid_dir)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
 
