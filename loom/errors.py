@@ -21,3 +21,17 @@ class RankFailureError(LoomError):
     """
 
     EXIT_CODE = 75
+
+
+class DataFileError(LoomError):
+    """An input file is missing, unreadable or corrupt; the message names it."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"{path}: {reason}. Fix or remove the file, or pass errors='skip' to skip unreadable samples"
+        )
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self):  # keeps (path, reason) across process workers
+        return type(self), (self.path, self.reason)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
-from loom.data.sharding import ReplicaBatchSampler, ShardPlan, check_global_batch, epoch_seed
+from loom.data.sharding import ReplicaBatchSampler, ShardPlan, buffer_shuffle, check_global_batch, epoch_seed
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -125,7 +125,7 @@ class DistributedLoader:
         self._iterable_tail = None
         stream: Iterable[Any] = self.dataset
         if self.shuffle:
-            stream = _buffer_shuffle(stream, 16 * self.global_batch, random.Random(epoch_seed(self.seed, self.epoch)))
+            stream = buffer_shuffle(stream, 16 * self.global_batch, random.Random(epoch_seed(self.seed, self.epoch)))
         mine = slice(self.replica * self.per_replica_batch, (self.replica + 1) * self.per_replica_batch)
         chunk: list[Any] = []
         batch = 0
@@ -143,15 +143,3 @@ class DistributedLoader:
         self._iterable_tail = (batch, plan.valid_count(0, self.replica))
         return [chunk[i] for i in plan.replica_slice(list(range(len(chunk))), 0, self.replica)]
 
-
-def _buffer_shuffle(stream: Iterable[Any], buffer_size: int, rng: random.Random) -> Iterator[Any]:
-    buffer: list[Any] = []
-    for item in stream:
-        if len(buffer) < buffer_size:
-            buffer.append(item)
-            continue
-        i = rng.randrange(buffer_size)
-        yield buffer[i]
-        buffer[i] = item
-    rng.shuffle(buffer)
-    yield from buffer

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+import random
+from typing import Iterable, Iterator, TypeVar
 
 import torch
 from torch.utils.data import Sampler
+
+T = TypeVar("T")
 
 
 def check_global_batch(batch_size: int, num_replicas: int) -> int:
@@ -76,11 +79,14 @@ class ShardPlan:
     def replica_slice(self, order: list[int], batch: int, replica: int) -> list[int]:
         """Dataset indices that ``replica`` reads for global batch ``batch``."""
         start = batch * self.global_batch
-        real, size = self.batch_size_of(batch), self.slice_size(batch)
+        return self.slice_of_batch(order[start : start + self.batch_size_of(batch)], batch, replica)
+
+    def slice_of_batch(self, members: list[T], batch: int, replica: int) -> list[T]:
+        """``replica``'s part of global batch ``batch``, given that batch's members in order."""
+        real, size = len(members), self.slice_size(batch)
         if real == size * self.num_replicas:  # every batch but an uneven last one
-            return order[start + replica * size : start + (replica + 1) * size]
-        chunk = order[start : start + real]
-        padded = (chunk * math.ceil(size * self.num_replicas / real))[: size * self.num_replicas]
+            return members[replica * size : (replica + 1) * size]
+        padded = (members * math.ceil(size * self.num_replicas / real))[: size * self.num_replicas]
         return padded[replica * size : (replica + 1) * size]
 
     def valid_count(self, batch: int, replica: int) -> int:
@@ -109,3 +115,17 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         order = epoch_order(self.plan.num_samples, self.shuffle, self.seed, self.epoch)
         for batch in range(len(self.plan)):
             yield self.plan.replica_slice(order, batch, self.replica)
+
+
+def buffer_shuffle(stream: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
+    """tf.data's shuffle: a buffer of ``buffer_size`` items, one drawn at random as each arrives."""
+    buffer: list[T] = []
+    for item in stream:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        i = rng.randrange(buffer_size)
+        yield buffer[i]
+        buffer[i] = item
+    rng.shuffle(buffer)
+    yield from buffer

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.comm import Connection, resolve_timeout
-from loom.data import DistributedLoader
+from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 
@@ -148,18 +148,25 @@ class Strategy(ABC):
     # ---- data -------------------------------------------------------------------------------
     def distribute(
         self,
-        data: Dataset | DataLoader | Iterable[Any],
+        data: Dataset | DataLoader | Pipeline | Iterable[Any],
         batch_size: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
         num_workers: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-    ) -> DistributedLoader:
+        shard_by: str = "auto",
+    ) -> DistributedLoader | PipelineLoader:
         """This replica's share of ``data`` in global batches of ``batch_size``.
 
-        See ``loom.data.sharding`` for the order guarantees and the uneven-last-batch policy.
+        A ``loom.data.Pipeline`` keeps its own order, workers and batching (``batch_size``
+        defaults to its ``batch()``) and is split over replicas by file or by sample
+        (``shard_by``, see ``loom.data.plan``); ``shuffle``, ``seed``, ``drop_last``,
+        ``num_workers`` and ``collate_fn`` apply to the other kinds of data. See
+        ``loom.data.sharding`` for the order guarantees and the uneven-last-batch policy.
         """
+        if isinstance(data, Pipeline):
+            return data.loader(self.num_replicas_in_sync, self.replica_id, self.device, batch_size, shard_by)
         return DistributedLoader(
             data,
             batch_size,

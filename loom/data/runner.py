@@ -1,0 +1,277 @@
+"""Runs a pipeline for one replica: plan the epoch, read and map in workers, prefetch, time it.
+
+The work of a batch (read each element, apply the maps, collate) is one task for a worker of
+``torchdata.nodes.ParallelMapper``, tf.data's fused map-and-batch: one queue hop per batch,
+not per element, and collation happens in parallel too. ``Prefetcher`` keeps batches ready
+while the current one trains; on CUDA ``PinMemory`` pins them and the copy to the device is
+issued one batch ahead, without blocking.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch.utils.data.dataloader import default_collate
+from torchdata.nodes import IterableWrapper, Loader, ParallelMapper, PinMemory, Prefetcher
+
+from loom.data.loader import to_device
+from loom.data.plan import Chunk, EpochPlan, choose_sharding
+from loom.data.report import InputStats
+from loom.data.sharding import check_global_batch
+from loom.data.sources import Source
+from loom.errors import DataFileError
+
+if TYPE_CHECKING:
+    from loom.data.pipeline import MapStage, Pipeline
+
+
+@dataclass
+class _Result:
+    """What a worker sends back for one batch."""
+
+    data: Any = None
+    valid: int = 0
+    seconds: list[float] = field(default_factory=list)  # read, each map, collate
+    skipped: list[DataFileError] = field(default_factory=list)
+    error: DataFileError | None = None
+
+
+class _BatchWorker:
+    """Reads, maps and collates one batch of addresses; runs in a worker thread or process."""
+
+    def __init__(
+        self,
+        source: Source,
+        maps: tuple[MapStage, ...],
+        cache_after: int | None,
+        collate: Callable[[list[Any]], Any] | None,
+    ) -> None:
+        self.source = source
+        self.maps = maps
+        self.cache_after = cache_after
+        self.collate = collate
+        self.cache: dict[tuple[int, int], Any] = {}  # shared by threads; process workers refuse cache()
+
+    def __call__(self, chunk: Chunk) -> _Result:
+        seconds = [0.0] * (len(self.maps) + 2)
+        items, skipped, valid = [], [], chunk.valid
+        for position, key in enumerate(chunk.keys):
+            try:
+                items.append(self._element(key, seconds))
+            except DataFileError as error:
+                if self.source.errors == "raise":
+                    return _Result(error=error)
+                skipped.append(error)
+                valid -= position < chunk.valid
+        if not items:
+            return _Result(error=skipped[-1])
+        start = time.perf_counter()
+        data = self.collate(items) if self.collate is not None else items[0]
+        seconds[-1] = time.perf_counter() - start
+        return _Result(data, valid, seconds, skipped)
+
+    def _element(self, key: tuple[int, int], seconds: list[float]) -> Any:
+        cached = self.cache_after is not None and key in self.cache
+        first = self.cache_after if cached else 0
+        if cached:
+            element = self.cache[key]
+        else:
+            start = time.perf_counter()
+            element = self.source.read(*key)
+            seconds[0] += time.perf_counter() - start
+        for i in range(first, len(self.maps)):
+            if i == self.cache_after and not cached:
+                self.cache[key] = element
+            start = time.perf_counter()
+            element = self.maps[i].fn(element)
+            seconds[i + 1] += time.perf_counter() - start
+        if self.cache_after == len(self.maps) and not cached:
+            self.cache[key] = element
+        return element
+
+
+class PipelineLoader:
+    """One replica's batches of a pipeline, resumable, with a record of where time goes.
+
+    ``len()`` is the number of steps per pass, the same on every replica. Iterating again
+    continues from the current position: the next epoch after a full pass, the rest of the
+    pass after a ``break`` or a ``load_state_dict``.
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        num_replicas: int,
+        replica: int,
+        device: torch.device,
+        batch_size: int | None,
+        shard_by: str,
+    ) -> None:
+        self.pipeline = pipeline
+        self.device = device
+        self.num_replicas = num_replicas
+        self.batched = (batch_size or pipeline.batch_size) is not None
+        if not self.batched and num_replicas > 1:
+            raise ValueError("distribute() needs batch_size= (the global batch) or a pipeline ending in .batch(n)")
+        self.global_batch = batch_size or pipeline.batch_size or 1
+        self.per_replica_batch = check_global_batch(self.global_batch, num_replicas)
+        source = pipeline.source
+        lengths = source.lengths()
+        if not sum(lengths):
+            raise ValueError(f"the pipeline's source ({len(lengths)} shard(s)) holds no elements")
+        self.sharding = choose_sharding(shard_by, source.auto_shard, len(lengths), num_replicas)
+        plan_batch = self.global_batch if self.sharding == "sample" else self.per_replica_batch
+        self.plan = EpochPlan(
+            lengths, pipeline.ops, plan_batch, num_replicas, replica, self.sharding, pipeline.drop_remainder
+        )
+        self.workers = _parallelism(pipeline.num_parallel)
+        if pipeline.cache_after is not None and pipeline.method == "process" and self.workers:
+            raise ValueError("cache() needs thread workers: process workers do not share a cache; use method='thread'")
+        collate = (pipeline.collate_fn or default_collate) if self.batched else None
+        self._worker = _BatchWorker(source, pipeline.maps, pipeline.cache_after, collate)
+        self.stats = InputStats(
+            stages=["read"] + [m.name for m in pipeline.maps] + ["collate"],
+            workers=self.workers,
+            method=pipeline.method,
+            prefetch=self._prefetch_depth(),
+            cached=pipeline.cache_after is not None,
+        )
+        self.epoch = 0
+        self.position = 0  # batches of the current pass already handed out
+        self._valid: list[int] = []  # per batch of the current iteration
+        self._warn_skipped(source.skipped, "file(s)")
+
+    # ---- sizes and positions -----------------------------------------------------------------
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self.plan.num_batches(self.epoch)
+
+    def __len__(self) -> int:
+        steps = self.steps_per_epoch
+        if steps is None:
+            raise TypeError("a pipeline that repeats forever has no length")
+        return steps
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start pass ``epoch`` from its beginning (unless already positioned inside it)."""
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def valid_count(self, batch: int) -> int:
+        """Real (not padding, not skipped) samples in the ``batch``-th batch of this iteration."""
+        return self._valid[batch] if batch < len(self._valid) else self.per_replica_batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position: pass and batches handed out, with what it is valid for."""
+        return {
+            "epoch": self.epoch,
+            "batch": self.position,
+            "num_replicas": self.num_replicas,
+            "sharding": self.sharding,
+            "global_batch": self.global_batch,
+            "elements": sum(self.plan.lengths),
+            "shards": len(self.plan.lengths),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly at the saved position; a clear error where that is impossible."""
+        here = self.state_dict()
+        if (state["elements"], state["shards"]) != (here["elements"], here["shards"]):
+            raise ValueError(
+                f"the saved input position is for {state['elements']} elements in {state['shards']} shard(s); "
+                f"this pipeline has {here['elements']} in {here['shards']}: it is not the same data"
+            )
+        if state["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"the saved input position counts global batches of {state['global_batch']}; this run uses "
+                f"{self.global_batch}: resume with the same global batch size"
+            )
+        if "file" in (state["sharding"], self.sharding) and state["num_replicas"] != self.num_replicas:
+            raise ValueError(
+                f"the saved input position was sharded by file over {state['num_replicas']} replicas; it resumes "
+                f"only on {state['num_replicas']} (here {self.num_replicas}). Sharding by sample "
+                "(shard_by='sample') resumes on any number of replicas"
+            )
+        self.epoch, self.position = state["epoch"], state["batch"]
+
+    def report(self) -> str:
+        """Where the input time goes, and whether the training loop waits for it."""
+        return self.stats.report()
+
+    # ---- iteration ---------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        epoch, start = self.epoch, self.position
+        self._valid = []
+        skipped: list[DataFileError] = []
+        pending: tuple[Any, int] | None = None  # CUDA: the next batch, its copy already issued
+        for result in self._results(epoch, start):
+            skipped += result.skipped
+            if self.device.type != "cuda":
+                yield self._hand_out(result.data, result.valid)
+                continue
+            if pending is not None:
+                yield self._hand_out(*pending)
+            pending = (to_device(result.data, self.device, non_blocking=True), result.valid)
+        if pending is not None:
+            yield self._hand_out(*pending)
+        self.epoch, self.position = epoch + 1, 0
+        self._warn_skipped(skipped, "sample(s)")
+
+    def _hand_out(self, batch: Any, valid: int) -> Any:
+        self._valid.append(valid)
+        self.position += 1
+        return to_device(batch, self.device)  # CPU: nothing to move
+
+    def _results(self, epoch: int, start: int) -> Iterator[_Result]:
+        """Workers' results in order, timing how long the consumer waits and trains."""
+        loader = Loader(self._graph(epoch, start))
+        waited_since = time.perf_counter()
+        for result in loader:
+            got = time.perf_counter()
+            if result.error is not None:
+                raise result.error
+            self.stats.record_batch(result.seconds, got - waited_since)
+            yield result
+            waited_since = time.perf_counter()
+            self.stats.record_step(waited_since - got)
+
+    def _graph(self, epoch: int, start: int) -> Any:
+        node: Any = IterableWrapper(self.plan.batches(epoch, start))
+        node = ParallelMapper(
+            node,
+            self._worker,
+            num_workers=self.workers,
+            in_order=self.pipeline.deterministic,
+            method=self.pipeline.method,  # type: ignore[arg-type]
+            max_concurrent=self.workers or None,
+        )
+        if self.device.type == "cuda":
+            node = PinMemory(node)
+        depth = self._prefetch_depth()
+        if depth:
+            node = Prefetcher(node, prefetch_factor=depth)
+        return node
+
+    def _prefetch_depth(self) -> int:
+        depth = self.pipeline.prefetch_depth
+        if depth == "auto":
+            return 2 * max(self.workers, 1)
+        return depth or 0
+
+    def _warn_skipped(self, skipped: list[DataFileError], what: str) -> None:
+        if skipped:
+            warnings.warn(
+                f"loom.data skipped {len(skipped)} unreadable {what} (errors='skip'); first: {skipped[0]}",
+                stacklevel=3,
+            )
+
+
+def _parallelism(num_parallel: int | str | None) -> int:
+    """Worker count: 0 runs the maps in the consumer's thread; ``auto`` is this process's core budget."""
+    if num_parallel == "auto":
+        return torch.get_num_threads()
+    return num_parallel or 0  # type: ignore[return-value]

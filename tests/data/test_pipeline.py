@@ -1,0 +1,241 @@
+"""loom.data pipelines: exactly-once sharding, resuming, order, caching, errors, the verdict."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import loom.data as ld
+from loom.data.sources import Source
+from loom.errors import DataFileError
+
+LENGTHS = [5, 3, 7, 1, 4, 6, 2]  # seven "files" of uneven size: 28 elements
+
+
+class Shards(Source):
+    """Files held in memory: element (s, i) is the number offsets[s] + i."""
+
+    def __init__(self, lengths=LENGTHS):
+        super().__init__([f"part-{s}" for s in range(len(lengths))])
+        self.sizes = lengths
+        self.offsets = [sum(lengths[:s]) for s in range(len(lengths))]
+
+    def shard_length(self, shard):
+        return self.sizes[shard]
+
+    def read(self, shard, index):
+        return torch.tensor(self.offsets[shard] + index)
+
+
+def _pipeline(shuffle=True):
+    p = ld.from_source(Shards()).interleave(2)
+    return (p.shuffle(seed=3) if shuffle else p).map(lambda x: x * 10, num_parallel=2).batch(6)
+
+
+def _epoch(loader):
+    """Per batch: the real (valid) values this replica got."""
+    return [batch[: loader.valid_count(k)].tolist() for k, batch in enumerate(loader)]
+
+
+@pytest.mark.parametrize("shard_by", ["file", "sample"])
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_every_element_exactly_once_per_epoch(shard_by, replicas, shuffle):
+    loaders = [_pipeline(shuffle).loader(replicas, r, shard_by=shard_by) for r in range(replicas)]
+    assert {l.sharding for l in loaders} == {shard_by}
+    for epoch in range(2):
+        epochs = [_epoch(l) for l in loaders]
+        assert len({len(e) for e in epochs}) == 1, "replicas ran different numbers of steps"
+        seen = sorted(v for e in epochs for batch in e for v in batch)
+        assert seen == [10 * i for i in range(sum(LENGTHS))], f"epoch {epoch}"
+
+
+def test_auto_shards_by_file_only_with_a_file_per_replica():
+    assert _pipeline().loader(3, 0).sharding == "file"
+    assert ld.from_source(Shards([4, 4])).batch(3).loader(3, 0).sharding == "sample"
+    with pytest.raises(ValueError, match=r"shard_by='file' needs at least one file per replica: 2 file\(s\) for 3"):
+        ld.from_source(Shards([4, 4])).batch(3).loader(3, 0, shard_by="file")
+
+
+def test_by_sample_global_batches_do_not_depend_on_replica_count():
+    one = _epoch(_pipeline().loader(1, 0, shard_by="sample"))
+    for replicas in (2, 3):
+        parts = [_epoch(_pipeline().loader(replicas, r, shard_by="sample")) for r in range(replicas)]
+        assert [sum(batch, []) for batch in zip(*parts)] == one
+
+
+def test_epochs_are_shuffled_differently_and_reproducibly():
+    loader = _pipeline().loader()
+    first, second = _epoch(loader), _epoch(loader)
+    assert first != second
+    assert _epoch(_pipeline().loader()) == first
+
+
+@pytest.mark.parametrize("shard_by", ["file", "sample"])
+def test_resume_mid_epoch_gives_the_remaining_batches(shard_by):
+    reference = [_pipeline().loader(2, r, shard_by=shard_by) for r in range(2)]
+    _epoch(reference[0]), _epoch(reference[1])  # resume inside the second epoch
+    expected = [_epoch(l) for l in reference]
+    for r in range(2):
+        loader = _pipeline().loader(2, r, shard_by=shard_by)
+        _epoch(loader)
+        it = iter(loader)
+        head = [next(it).tolist() for _ in range(2)]
+        state = loader.state_dict()
+        assert state["epoch"] == 1 and state["batch"] == 2
+        resumed = _pipeline().loader(2, r, shard_by=shard_by)
+        resumed.load_state_dict(state)
+        assert head + _epoch(resumed) == expected[r]
+
+
+def test_by_sample_position_resumes_on_another_replica_count():
+    uninterrupted = _epoch(_pipeline().loader(1, 0, shard_by="sample"))
+    on_two = _pipeline().loader(2, 0, shard_by="sample")
+    it = iter(on_two)
+    next(it), next(it)
+    state = on_two.state_dict()
+    rest = []
+    for r in range(3):
+        loader = _pipeline().loader(3, r, shard_by="sample")
+        loader.load_state_dict(state)
+        rest.append(_epoch(loader))
+    assert [sum(batch, []) for batch in zip(*rest)] == uninterrupted[2:]
+
+
+def test_by_file_position_refuses_another_replica_count():
+    loader = _pipeline().loader(2, 0, shard_by="file")
+    with pytest.raises(ValueError, match="sharded by file over 2 replicas; it resumes only on 2 \\(here 3\\)"):
+        _pipeline().loader(3, 0, shard_by="file").load_state_dict(loader.state_dict())
+    with pytest.raises(ValueError, match="not the same data"):
+        ld.from_source(Shards([9, 9])).batch(6).loader(2, 0).load_state_dict(loader.state_dict())
+
+
+def _slow_first(x):
+    time.sleep(0.3 if int(x) == 0 else 0.0)
+    return x
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_parallel_map_keeps_order_when_deterministic(method):
+    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=3, method=method)
+    assert [int(x) for x in p] == list(range(12))
+
+
+def test_parallel_map_may_reorder_when_not_deterministic():
+    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=3, deterministic=False)
+    out = [int(x) for x in p]
+    assert sorted(out) == list(range(12))
+    assert out[0] != 0, "the slow first element should have been overtaken"
+
+
+def test_cache_runs_the_maps_before_it_once():
+    calls = []
+
+    def decode(x):
+        calls.append(int(x))
+        return x
+
+    p = ld.from_tensors(torch.arange(8)).map(decode, num_parallel=2).cache().map(lambda x: x + 100).shuffle(seed=1).batch(4)
+    loader = p.loader()
+    first, second = _epoch(loader), _epoch(loader)
+    assert sorted(calls) == list(range(8))
+    assert sorted(sum(first, [])) == sorted(sum(second, [])) == list(range(100, 108)) and first != second
+
+
+def test_take_skip_repeat():
+    base = ld.from_tensors(torch.arange(10))
+    assert [int(x) for x in base.skip(3).take(4)] == [3, 4, 5, 6]
+    assert [int(x) for x in base.take(3).repeat(2)] == [0, 1, 2, 0, 1, 2]
+    endless = iter(base.shuffle(seed=0).repeat().batch(4).loader())
+    batches = [next(endless) for _ in range(5)]  # 20 elements: two full epochs, reshuffled
+    values = torch.cat(batches).tolist()
+    assert sorted(values[:10]) == sorted(values[10:]) == list(range(10)) and values[:10] != values[10:]
+
+
+def test_pipeline_order_and_argument_errors():
+    base = ld.from_tensors(torch.arange(10))
+    with pytest.raises(ValueError, match=r"shuffle\(\) after take\(\): .* call shuffle\(\) before take\(\)"):
+        base.take(5).shuffle()
+    with pytest.raises(ValueError, match=r"map\(\) after batch\(\): call it before batch\(\)"):
+        base.batch(2).map(abs)
+    with pytest.raises(ValueError, match="num_parallel must be a positive integer, got 0"):
+        base.map(abs, num_parallel=0)
+    with pytest.raises(ValueError, match="cache\\(\\) needs thread workers"):
+        base.map(abs, num_parallel=2, method="process").cache().loader()
+    with pytest.raises(ValueError, match="needs batch_size="):
+        base.loader(2, 0)
+    with pytest.raises(ValueError, match="global batch_size 5 is not divisible by the 2 replicas"):
+        base.batch(5).loader(2, 0)
+
+
+class Flaky(Shards):
+    """Element 4 is unreadable, as a corrupt file would be."""
+
+    def read(self, shard, index):
+        if self.offsets[shard] + index == 4:
+            raise DataFileError(f"/data/{self.shards[shard]}", "not a valid PNG file")
+        return super().read(shard, index)
+
+
+def test_unreadable_element_names_the_file():
+    with pytest.raises(DataFileError, match="/data/part-0: not a valid PNG file.*errors='skip'"):
+        list(ld.from_source(Flaky()).map(abs, num_parallel=2).batch(4))
+
+
+def test_skip_mode_counts_what_it_skipped():
+    source = Flaky()
+    source.errors = "skip"
+    loader = ld.from_source(source).batch(4).loader()
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable sample\(s\).*/data/part-0"):
+        values = [v for k, b in enumerate(loader) for v in b[: loader.valid_count(k)].tolist()]
+    assert values == [i for i in range(sum(LENGTHS)) if i != 4]
+
+
+def test_report_names_the_slow_stage_of_an_input_bound_job():
+    def decode(x):
+        time.sleep(0.02)
+        return x
+
+    loader = ld.from_tensors(torch.arange(40)).map(decode, num_parallel=1).batch(4).loader()
+    for _ in loader:
+        pass  # a step that costs nothing: input-bound
+    summary = loader.stats.summary()
+    assert summary["input_bound"] and summary["slowest_stage"] == "decode"
+    assert "verdict: input-bound, slowest stage 'decode'" in loader.report()
+
+
+def test_report_says_not_input_bound_when_the_step_dominates():
+    loader = ld.from_tensors(torch.arange(40)).map(abs, num_parallel=2).batch(4).prefetch(4).loader()
+    for _ in loader:
+        time.sleep(0.02)
+    assert not loader.stats.summary()["input_bound"]
+    assert "verdict: not input-bound" in loader.report()
+
+
+def _file_replica_samples(files):
+    import loom
+
+    strategy = loom.MirroredStrategy(timeout=30)
+    pipeline = ld.numpy_files(files).shuffle(seed=1).map(lambda x: x, num_parallel=2).batch(6).prefetch()
+    loader = strategy.distribute(pipeline)
+    real = [b[: loader.valid_count(k)] for k, b in enumerate(loader)]
+    everyone = strategy.gather(torch.cat(real))
+    strategy.shutdown()
+    return loader.sharding, len(loader), everyone.tolist()
+
+
+def test_exactly_once_by_file_through_the_strategy_on_three_processes(tmp_path):
+    from tests.helpers import run_ranks
+
+    files, start = [], 0
+    for n in (7, 2, 9, 4, 5):  # 27 rows in 5 files
+        np.save(tmp_path / f"part-{start}.npy", np.arange(start, start + n))
+        files.append(str(tmp_path / f"part-{start}.npy"))
+        start += n
+    results = run_ranks(_file_replica_samples, 3, files, timeout=60)
+    assert len({(sharding, steps) for sharding, steps, _ in results}) == 1 and results[0][0] == "file"
+    assert results[0][1] >= 5  # 27 rows in batches of 2 per replica: at least 5 steps
+    for _, _, seen in results:
+        assert sorted(seen) == list(range(27))
