@@ -91,6 +91,11 @@ class DistributedLoader:
         self.epoch = epoch
         self._started = False
 
+    @property
+    def steps_per_epoch(self) -> int | None:
+        """Steps per epoch on every replica; None for an iterable dataset (unknown until read)."""
+        return len(self.plan) if self.plan is not None else None
+
     def __len__(self) -> int:
         if self.plan is None:
             raise TypeError("an iterable dataset has no length; iterate it to the end instead")

@@ -88,7 +88,7 @@ class InputStats:
             f"the CPU is the limit ({work / self.workers * 1e3:.1f} ms of work per batch on {self.workers} workers, "
             f"{step * 1e3:.1f} ms per step)"
         )
-        if not self.cached:
+        if not self.cached and self.method == "thread":
             advice += "; cache() after the maps whose output does not change between epochs"
         if self.method == "thread" and slowest not in ("read", "collate"):
             advice += f"; if '{slowest}' is pure Python, map(..., method='process') sidesteps the GIL"

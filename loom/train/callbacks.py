@@ -24,6 +24,7 @@ class FitState:
     epochs: int
     steps_per_epoch: int | None
     global_batch: int
+    loader: Any = None  # the training data as this replica reads it
     epoch: int = 0
     step: int = 0
     stop: bool = False
@@ -78,7 +79,11 @@ class ProgressBar(Callback):
         now = time.perf_counter()
         if now - self._last >= self.refresh_seconds:  # .item() syncs: only as often as a person can read
             rate = self._steps * state.global_batch / (now - self._start)
-            self._progress.update(self._task, status=f"loss {loss.item():.4f}  {rate:,.0f} samples/s")
+            status = f"loss {loss.item():.4f}  {rate:,.0f} samples/s"
+            stats = getattr(state.loader, "stats", None)  # a loom.data pipeline times its input
+            if stats is not None:
+                status += f"  input wait {stats.wait_fraction:.0%}"
+            self._progress.update(self._task, status=status)
             self._last = now
 
     def on_epoch_end(self, state: FitState, logs: dict[str, float]) -> None:
@@ -87,6 +92,9 @@ class ProgressBar(Callback):
             self._progress = None
         if state.strategy.is_chief:
             print(f"epoch {state.epoch + 1}/{state.epochs}  {format_logs(logs)}", flush=True)
+            stats = getattr(state.loader, "stats", None)
+            if stats is not None and stats.summary()["input_bound"]:
+                print(state.loader.report(), flush=True)
 
 
 class TensorBoard(Callback):

@@ -114,8 +114,7 @@ def fit(
     train = strategy.distribute(train_data, batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
     val = strategy.distribute(val_data, train.global_batch, shuffle=False) if val_data is not None else None
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
-    steps = len(train) if train.plan is not None else None
-    state = FitState(strategy, prepared, opt, epochs, steps, train.global_batch)
+    state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train)
     for cb in hooks:
         cb.on_train_begin(state)
     for epoch in range(epochs):

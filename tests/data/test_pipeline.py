@@ -119,12 +119,12 @@ def _slow_first(x):
 
 @pytest.mark.parametrize("method", ["thread", "process"])
 def test_parallel_map_keeps_order_when_deterministic(method):
-    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=3, method=method)
+    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=2, method=method)
     assert [int(x) for x in p] == list(range(12))
 
 
 def test_parallel_map_may_reorder_when_not_deterministic():
-    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=3, deterministic=False)
+    p = ld.from_tensors(torch.arange(12)).map(_slow_first, num_parallel=2, deterministic=False)
     out = [int(x) for x in p]
     assert sorted(out) == list(range(12))
     assert out[0] != 0, "the slow first element should have been overtaken"
@@ -239,3 +239,31 @@ def test_exactly_once_by_file_through_the_strategy_on_three_processes(tmp_path):
     assert results[0][1] >= 5  # 27 rows in batches of 2 per replica: at least 5 steps
     for _, _, seen in results:
         assert sorted(seen) == list(range(27))
+
+
+def _same(sample):
+    return sample
+
+
+@pytest.fixture
+def images_with_a_bad_one(tmp_path):
+    from PIL import Image
+
+    for c in range(2):
+        (tmp_path / f"class{c}").mkdir()
+        for i in range(5):
+            Image.new("RGB", (4, 4), (i, c, 0)).save(tmp_path / f"class{c}" / f"{i}.png")
+    (tmp_path / "class1" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    return tmp_path
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_corrupt_image_is_named_or_skipped_through_the_workers(images_with_a_bad_one, method):
+    raising = ld.image_folder(images_with_a_bad_one).map(_same, num_parallel=2, method=method).batch(2)
+    with pytest.raises(DataFileError, match=r"class1/3\.png: .*errors='skip'"):
+        list(raising)
+    skipping = ld.image_folder(images_with_a_bad_one, errors="skip").map(_same, num_parallel=2, method=method).batch(2)
+    loader = skipping.loader()
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable sample\(s\).*class1/3\.png"):
+        labels = [y[: loader.valid_count(k)].tolist() for k, (_, y) in enumerate(loader)]
+    assert sorted(sum(labels, [])) == [0] * 5 + [1] * 4

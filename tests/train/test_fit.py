@@ -72,3 +72,21 @@ def test_fit_on_two_replicas_matches_one_and_only_the_chief_writes(tmp_path):
                      val_data=data(101, 1), epochs=3, batch_size=40, metrics=["accuracy"], strategy=loom.OneDeviceStrategy(), progress=False)  # fmt: skip
     for key in ("loss", "accuracy", "val_loss", "val_accuracy"):
         assert first[key] == pytest.approx(alone[key], abs=1e-5)
+
+
+def test_fit_trains_on_a_pipeline_and_prints_the_input_report_when_input_bound(capsys):
+    import time
+
+    import loom.data as ld
+
+    def slow(row):
+        time.sleep(0.002)  # input far slower than the step: input-bound
+        return row
+
+    x, y = data(400, 0).tensors
+    pipeline = ld.from_tensors(x, y).shuffle(seed=0).map(slow, num_parallel=1).batch(40)
+    history = loom.fit(model(), F.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), pipeline,
+                       epochs=2, strategy=loom.OneDeviceStrategy())  # fmt: skip
+    assert len(history["loss"]) == 2 and history["loss"][-1] < history["loss"][0]
+    out = capsys.readouterr().out
+    assert "verdict: input-bound, slowest stage 'slow'" in out
