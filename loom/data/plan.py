@@ -210,6 +210,12 @@ def _take_skip(length: int, skip: int, take: int | None) -> int:
 
 def _interleave(files: list[int], lengths: list[int], cycle: int, block: int) -> Iterator[Key]:
     """tf.data's interleave: ``cycle`` files open at once, ``block`` elements from each in turn."""
+    if cycle == 1:  # one file after another
+        return ((shard, index) for shard in files for index in range(lengths[shard]))
+    return _round_robin(files, lengths, cycle, block)
+
+
+def _round_robin(files: list[int], lengths: list[int], cycle: int, block: int) -> Iterator[Key]:
     pending = iter(files)
     open_: list[list[int]] = []  # [shard, next index]
     for f in itertools.islice(pending, cycle):

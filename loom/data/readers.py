@@ -48,7 +48,7 @@ class ParquetSource(Source):
     """
 
     def __init__(self, files: Files, columns: Sequence[str] | None = None, errors: str = "raise") -> None:
-        super().__init__(expand_files(files, "Parquet files"), errors)
+        super().__init__(expand_files(files, "Parquet files", errors), errors)
         self.columns = list(columns) if columns is not None else None
         self._row_starts: dict[int, list[int]] = {}  # shard -> first row of each row group, then num_rows
 
@@ -99,7 +99,7 @@ class WebDatasetSource(Source):
     """
 
     def __init__(self, files: Files, errors: str = "raise", decode: bool = True) -> None:
-        super().__init__(expand_files(files, "tar shards"), errors)
+        super().__init__(expand_files(files, "tar shards", errors), errors)
         self.decode = decode
         self._samples: dict[int, list[tuple[str, dict[str, tuple[int, int]]]]] = {}  # shard -> index
 
@@ -181,7 +181,7 @@ class NumpySource(Source):
     """
 
     def __init__(self, files: Files, key: str | None = None, errors: str = "raise") -> None:
-        super().__init__(expand_files(files, "NumPy files"), errors)
+        super().__init__(expand_files(files, "NumPy files", errors), errors)
         self.key = key
 
     def shard_length(self, shard: int) -> int:

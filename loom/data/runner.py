@@ -10,6 +10,7 @@ copy to the device is issued one batch ahead, without blocking.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -267,6 +268,7 @@ class PipelineLoader:
                 prefetch_factor=max(1, -(-depth // self.workers)),
                 persistent_workers=True,
                 in_order=self.pipeline.deterministic,
+                worker_init_fn=_yield_to_training,
             )
         node: BaseNode = ParallelMapper(
             _ChunkNode(self._chunks),
@@ -334,6 +336,11 @@ class _Tasks(Dataset):
 
     def __getitem__(self, chunk: Chunk) -> _Result:  # type: ignore[override]
         return self.worker(chunk)
+
+
+def _yield_to_training(worker_id: int) -> None:
+    """Input workers run at a lower priority, so the training loop gets a core the moment it needs one."""
+    os.nice(5)
 
 
 def _as_is(result: _Result) -> _Result:

@@ -116,10 +116,13 @@ class DatasetSource(Source):
         return self.dataset[index]
 
 
-def expand_files(files: str | os.PathLike | Iterable[str | os.PathLike], what: str = "files") -> list[str]:
-    """A sorted list of files from a glob pattern, a directory-free path or a list of paths.
+def expand_files(
+    files: str | os.PathLike | Iterable[str | os.PathLike], what: str = "files", errors: str = "raise"
+) -> list[str]:
+    """A sorted list of files from a glob pattern, or a list of paths as given.
 
-    A pattern that matches nothing or a listed file that does not exist is an error naming it.
+    A pattern that matches nothing is an error naming it; so is a listed file that does not
+    exist, unless ``errors='skip'``, when the reader's count skips it like any unreadable file.
     """
     if isinstance(files, (str, os.PathLike)):
         pattern = os.fspath(files)
@@ -131,7 +134,7 @@ def expand_files(files: str | os.PathLike | Iterable[str | os.PathLike], what: s
     if not paths:
         raise ValueError(f"the list of {what} is empty")
     for path in paths:
-        if not os.path.isfile(path):
+        if errors != "skip" and not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no such file (listed in the {what})")
     return paths
 

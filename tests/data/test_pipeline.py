@@ -267,3 +267,13 @@ def test_corrupt_image_is_named_or_skipped_through_the_workers(images_with_a_bad
     with pytest.warns(UserWarning, match=r"skipped 1 unreadable sample\(s\).*class1/3\.png"):
         labels = [y[: loader.valid_count(k)].tolist() for k, (_, y) in enumerate(loader)]
     assert sorted(sum(labels, [])) == [0] * 5 + [1] * 4
+
+
+def test_missing_listed_file_is_named_or_skipped(tmp_path):
+    np.save(tmp_path / "a.npy", np.arange(4))
+    files = [str(tmp_path / "a.npy"), str(tmp_path / "gone.npy")]
+    with pytest.raises(FileNotFoundError, match="gone.npy: no such file"):
+        ld.numpy_files(files)
+    with pytest.warns(UserWarning, match=r"skipped 1 unreadable file\(s\).*gone\.npy"):
+        values = [int(x) for x in ld.numpy_files(files, errors="skip")]
+    assert values == [0, 1, 2, 3]
