@@ -35,3 +35,11 @@ class DataFileError(LoomError):
 
     def __reduce__(self):  # keeps (path, reason) across process workers
         return type(self), (self.path, self.reason)
+
+
+class CheckpointError(LoomError):
+    """A checkpoint is missing, incomplete, corrupt, or does not match what it is loaded into."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint is readable but holds other keys or shapes than what it is loaded into."""

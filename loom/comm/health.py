@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from loom.cluster import ClusterSpec
+from loom.comm import preemption
 from loom.errors import RankFailureError
 
 PREFIX = "loom/health"
@@ -64,7 +65,9 @@ class HealthMonitor:
         )
 
     def _key(self, kind: str, rank: int) -> str:
-        return f"{PREFIX}/{kind}/{rank}"
+        # One namespace per attempt: after an elastic restart, the last attempt's dead are not ours.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return f"{PREFIX}/{attempt}/{kind}/{rank}"
 
     def start(self) -> None:
         me = {"host": self.host, "pid": os.getpid()}
@@ -168,6 +171,9 @@ class HealthMonitor:
     def _on_sigterm(self, signum, frame) -> None:
         # The agent terminates the survivors once one worker has failed: say which one.
         reason = self.diagnose(sample_heartbeats=False)
+        if not reason and preemption.armed():
+            preemption.request()  # a preemption notice: save at the next step boundary
+            return
         if reason:
             self.post_failure(reason, victim=True)
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any, Callable, Iterable, Iterator
 
@@ -64,6 +65,9 @@ class DistributedLoader:
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self._started = False
+        self.position = 0  # batches of the current epoch handed out
+        self._start = 0  # where the current iteration began
+        self._resume: tuple[int, int] | None = None  # (epoch, batch) from load_state_dict
         self.dataset = data
         self.plan: ShardPlan | None = None
         self._iterable_tail: tuple[int, int] | None = None  # (batch, real samples here) of an uneven last batch
@@ -88,7 +92,18 @@ class DistributedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next ``iter()`` yields (for resuming)."""
+        if self._resume is not None and self._resume[0] != epoch:
+            self._resume = None
         self.epoch = epoch
+        self._started = False
+
+    def state_dict(self) -> dict[str, int]:
+        """The position: the epoch and how many of its batches were handed out."""
+        return {"epoch": self.epoch, "batch": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """The next ``iter()`` continues that epoch with exactly the next batch."""
+        self.epoch, self._resume = state["epoch"], (state["epoch"], state["batch"])
         self._started = False
 
     @property
@@ -103,6 +118,7 @@ class DistributedLoader:
 
     def valid_count(self, batch: int) -> int:
         """Real (non-padding) samples in this replica's slice of global batch ``batch``."""
+        batch += self._start
         if self.plan is None:
             tail_batch, tail_count = self._iterable_tail or (-1, 0)
             return tail_count if batch == tail_batch else self.per_replica_batch
@@ -112,13 +128,17 @@ class DistributedLoader:
         if self._started:  # a second pass without set_epoch is the next epoch
             self.epoch += 1
         self._started = True
+        self._start = self._resume[1] if self._resume is not None else 0
+        self._resume = None
+        self.position = self._start
         non_blocking = self.device.type == "cuda"
         if self._loader is not None:
-            self._sampler.set_epoch(self.epoch)
+            self._sampler.set_epoch(self.epoch, start=self._start)
             batches: Iterable[Any] = self._loader
         else:
-            batches = self._iterable_batches()
+            batches = itertools.islice(self._iterable_batches(), self._start, None)
         for batch in batches:
+            self.position += 1
             yield to_device(batch, self.device, non_blocking)
 
     def _iterable_batches(self) -> Iterator[Any]:

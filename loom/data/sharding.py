@@ -104,16 +104,18 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The epoch to yield, from global batch ``start`` on (for resuming mid-epoch)."""
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
         return len(self.plan)
 
     def __iter__(self) -> Iterator[list[int]]:
         order = epoch_order(self.plan.num_samples, self.shuffle, self.seed, self.epoch)
-        for batch in range(len(self.plan)):
+        for batch in range(self.start, len(self.plan)):
             yield self.plan.replica_slice(order, batch, self.replica)
 
 

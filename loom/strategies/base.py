@@ -14,6 +14,7 @@ import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, Union
 
 import torch
@@ -22,7 +23,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
-from loom.comm import Connection, resolve_timeout
+from loom.checkpoint import Checkpointer
+from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
@@ -214,8 +216,42 @@ class Strategy(ABC):
     def _guard(self) -> ContextManager[None]:
         return self._connection.guard() if self._connection is not None else nullcontext()
 
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, directory: str | Path, *, step: int, keep: int = 3, async_save: bool = False, **state: Any) -> Path:
+        """Save ``state`` as ``directory/step-<step>``; every replica calls it at the same step.
+
+        ``state`` names what to keep: models, optimizers, anything with ``state_dict`` (the
+        loader from ``distribute``, LR schedulers), tensors and JSON values. Restorable under
+        any strategy and number of replicas; see ``loom.checkpoint``. The last ``keep``
+        checkpoints are kept. With ``async_save`` training goes on while it is written.
+        """
+        with self._guard():
+            return self._checkpointer.save(directory, step, _unwrapped(state), keep, async_save)
+
+    def restore(self, directory: str | Path, *, fallback: bool = False, **state: Any) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint under ``directory`` into ``state``'s objects, in place.
+
+        Returns the saved plain values and ``step``, or None when there is no checkpoint yet.
+        ``fallback=True`` passes over a damaged checkpoint to the one before it.
+        """
+        with self._guard():
+            return self._checkpointer.restore(directory, _unwrapped(state), fallback)
+
+    def preempted(self) -> bool:
+        """Whether any replica got SIGTERM since ``loom.comm.preemption.arm()``; call it on every replica.
+
+        True on all replicas at once, so they can save together after the same step.
+        """
+        return bool(self.reduce(float(preemption.requested()), "max"))
+
+    @cached_property
+    def _checkpointer(self) -> Checkpointer:
+        return Checkpointer(type(self).__name__)
+
     def shutdown(self) -> None:
-        """Leave the job's process group (also done at exit)."""
+        """Leave the job's process group (also done at exit), once a pending checkpoint is written."""
+        if "_checkpointer" in self.__dict__:
+            self._checkpointer.wait()
         if self._connection is not None:
             self._connection.close()
 
@@ -227,6 +263,14 @@ class Strategy(ABC):
 
 
 WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
+
+
+def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
+    """The user's own modules and optimizers, so a checkpoint does not depend on the strategy."""
+    return {
+        name: unwrap(v) if isinstance(v, nn.Module) else v.optimizer if isinstance(v, StrategyOptimizer) else v
+        for name, v in state.items()
+    }
 
 
 def unwrap(model: nn.Module) -> nn.Module:

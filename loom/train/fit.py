@@ -15,6 +15,7 @@ from torch import nn
 from loom.data import DistributedLoader
 from loom.strategies import Strategy, auto_strategy
 from loom.strategies.base import OptimizerFactory
+from loom.train.backup import BackupAndRestore
 from loom.train.callbacks import Callback, FitState, ProgressBar, TensorBoard
 from loom.train.metrics import Metric, resolve_metrics
 
@@ -101,12 +102,20 @@ def fit(
     shuffle: bool = True,
     seed: int = 0,
     num_workers: int | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    keep_checkpoints: int = 3,
+    async_checkpoint: bool = False,
 ) -> dict[str, list[float]]:
     """Train ``model`` for ``epochs`` under ``strategy`` (default: what the launch implies).
 
     ``batch_size`` is the global batch. With ``log_dir`` the chief writes TensorBoard scalars
     there. Returns the history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s),
     reduced over all replicas, which is also what callbacks receive.
+
+    With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
+    ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
+    (``loom.train.backup``). An epoch resumed in the middle logs the mean of its remaining steps.
     """
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
@@ -115,9 +124,14 @@ def fit(
     val = strategy.distribute(val_data, train.global_batch, shuffle=False) if val_data is not None else None
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
     state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train)
+    backup = None
+    first_epoch = 0
+    if checkpoint_dir is not None:
+        backup = BackupAndRestore(strategy, checkpoint_dir, checkpoint_every, keep_checkpoints, async_checkpoint)
+        first_epoch = backup.restore(state, train)
     for cb in hooks:
         cb.on_train_begin(state)
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs):
         state.epoch = epoch
         train.set_epoch(epoch)
         for cb in hooks:
@@ -135,6 +149,8 @@ def fit(
             state.step += 1
             for cb in hooks:
                 cb.on_batch_end(state, loss)
+            if backup is not None:
+                backup.after_step(state, train)
         elapsed = time.perf_counter() - start
         logs, samples = totals.reduce(strategy)
         if val is not None:
@@ -142,6 +158,8 @@ def fit(
         logs["samples_per_sec"] = samples / max(strategy.reduce(elapsed, "max"), 1e-9)
         for key, value in logs.items():
             state.history.setdefault(key, []).append(value)
+        if backup is not None:
+            backup.after_epoch(state, train)
         for cb in hooks:
             cb.on_epoch_end(state, logs)
         if state.stop:

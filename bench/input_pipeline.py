@@ -1,0 +1,272 @@
+"""Input pipeline throughput: loom.data vs torch DataLoader vs tf.data on the same PNG files.
+
+    python bench/input_pipeline.py [--images 20000] [--quick]
+
+Small PNGs (40x40, 10 classes) are generated once into a cache folder. Every contender runs
+the same work per image: read the file, decode it, random-crop to 32x32, flip at random,
+normalize to float. The training step is a sleep of known length, as if an accelerator were
+busy, so the input pipeline has the CPU to itself and the target is well defined: with
+prefetching, a step should take max(input time per batch / parallelism, step time), within 5%.
+Two step lengths: 0 (pure input throughput) and the balanced one, where input and step take
+equally long. Each configuration is warmed by one epoch, then timed over several epochs taken in turns with
+the others (median), because this machine is shared and noisy. "Parallelism" is measured: the
+bare per-image work run in as many plain processes as there are cores, against one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from PIL import Image
+from rich.progress import track
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.workloads import RESULTS, save  # noqa: E402
+
+import loom.data as ld  # noqa: E402
+from loom.data.readers import ImageFolderSource  # noqa: E402
+
+SIZE, CROP, CLASSES = 40, 32, 10
+MEAN = torch.tensor([0.49, 0.48, 0.45]).view(3, 1, 1)
+STD = torch.tensor([0.25, 0.24, 0.26]).view(3, 1, 1)
+TF_PYTHON = Path(__file__).resolve().parent.parent / ".venv-tf" / "bin" / "python"
+
+
+def make_images(root: Path, count: int) -> Path:
+    """``count`` PNGs in root/<class>/, made once: smooth noise, so they compress like photos."""
+    folder = root / f"pngs-{count}"
+    if (folder / ".complete").exists():
+        return folder
+    rng = np.random.default_rng(0)
+    for c in range(CLASSES):
+        (folder / f"class{c}").mkdir(parents=True, exist_ok=True)
+    for i in track(range(count), description=f"writing {count} PNGs to {folder}"):
+        coarse = rng.integers(0, 256, (10, 10, 3), dtype=np.uint8)
+        Image.fromarray(coarse).resize((SIZE, SIZE), Image.BILINEAR).save(folder / f"class{i % CLASSES}" / f"{i:06d}.png")
+    (folder / ".complete").touch()
+    return folder
+
+
+def augment(sample: tuple[bytes, int]) -> tuple[torch.Tensor, int]:
+    """Decode, random crop, random flip, normalize: the per-image work every contender does."""
+    data, label = sample
+    image = torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB"))).permute(2, 0, 1)
+    top, left = np.random.randint(0, SIZE - CROP + 1, 2)
+    image = image[:, top : top + CROP, left : left + CROP]
+    if np.random.rand() < 0.5:
+        image = image.flip(2)
+    return (image.float() / 255 - MEAN) / STD, label
+
+
+class AugmentedImages(torch.utils.data.Dataset):
+    """The DataLoader's dataset: the same files, read and augmented the same way."""
+
+    def __init__(self, folder: Path) -> None:
+        self.source = ImageFolderSource(folder, decode=False)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        return augment(self.source.read(0, i))
+
+
+def timed_epoch(batches: Iterable[Any], step_seconds: float) -> tuple[float, int]:
+    """Seconds and samples of one pass, each batch followed by a step of known length."""
+    start, samples = time.perf_counter(), 0
+    for _, labels in batches:
+        samples += len(labels)
+        if step_seconds:
+            time.sleep(step_seconds)
+    return time.perf_counter() - start, samples
+
+
+def measure(
+    contenders: dict[str, Callable[[], Iterable[Any]]], step_seconds: float, batch: int, rounds: int, bare: Callable[[], None]
+) -> list[dict[str, Any]]:
+    """Each contender warmed by one epoch, then timed over ``rounds`` epochs taken in turns (median).
+
+    ``bare`` measures the machine's bare rates in every round too, so the ideal is of the same moments.
+    """
+    loaders = {name: make() for name, make in contenders.items()}
+    for loader in loaders.values():
+        timed_epoch(loader, step_seconds)  # workers start, caches fill
+    seconds: dict[str, list[float]] = {name: [] for name in loaders}
+    for _ in range(rounds):  # in turns, so the machine's slow spells hit every contender
+        bare()
+        for name, loader in loaders.items():
+            elapsed, samples = timed_epoch(loader, step_seconds)
+            seconds[name].append(elapsed)
+    results = []
+    for name, loader in loaders.items():
+        elapsed = statistics.median(seconds[name])
+        result = {
+            "name": name,
+            "samples_per_sec": samples / elapsed,
+            "step_ms": elapsed / math.ceil(samples / batch) * 1e3,
+            "spread": [samples / s for s in sorted(seconds[name], reverse=True)],
+        }
+        if isinstance(loader, ld.PipelineLoader):
+            result["report"] = loader.stats.summary()
+        print(f"  {name:<48} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step", flush=True)
+        results.append(result)
+    return results
+
+
+def _augment_slice(dataset: AugmentedImages, indices: range, rates: Any) -> None:
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    for i in indices:
+        dataset[i]
+    rates.put(len(indices) / (time.perf_counter() - start))
+
+
+def raw_rate(dataset: AugmentedImages, processes: int, per_process: int = 1_000) -> float:
+    """Samples/s of the bare per-image work in ``processes`` plain processes: what the machine can give."""
+    context = multiprocessing.get_context("fork")
+    rates = context.Queue()
+    workers = [
+        context.Process(target=_augment_slice, args=(dataset, range(p * per_process, (p + 1) * per_process), rates))
+        for p in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return sum(rates.get() for _ in workers)
+
+
+def tf_data(folder: Path, batch: int, step_seconds: float) -> dict[str, Any]:
+    """The same work in tf.data, in TensorFlow's own virtual environment (.venv-tf)."""
+    if not TF_PYTHON.exists():
+        return {"name": "tf.data", "skipped": f"TensorFlow is not installed in {TF_PYTHON.parent.parent} (make bench-tf)"}
+    script = Path(__file__).with_name("tf_input_pipeline.py")
+    args = [str(TF_PYTHON), str(script), str(folder), str(batch), str(step_seconds), str(SIZE), str(CROP)]
+    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    if done.returncode:
+        return {"name": "tf.data", "skipped": f"tf.data run failed: {done.stderr.strip().splitlines()[-1:]}"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"  {'tf.data map(AUTOTUNE) + prefetch(AUTOTUNE)':<44} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step")
+    return result
+
+
+def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], Iterable[Any]]]:
+    images = ld.image_folder(folder, decode=False).shuffle(seed=0)
+    dataset = AugmentedImages(folder)
+
+    def loom(num_parallel: int | None, method: str = "thread", prefetch: bool = False) -> Callable[[], Iterable[Any]]:
+        pipeline = images.map(augment, num_parallel=num_parallel, method=method).batch(batch)
+        return (pipeline.prefetch() if prefetch else pipeline).loader
+
+    def dataloader(factor: int) -> Callable[[], Iterable[Any]]:
+        return lambda: torch.utils.data.DataLoader(
+            dataset, batch, shuffle=True, num_workers=cores, prefetch_factor=factor, persistent_workers=True
+        )
+
+    return {
+        "loom sequential": loom(None),
+        f"loom map(num_parallel={cores}) threads": loom(cores),
+        f"loom map(num_parallel={cores}) threads + prefetch": loom(cores, prefetch=True),
+        f"loom map(num_parallel={cores}) processes": loom(cores, "process"),
+        f"loom map(num_parallel={cores}) processes + prefetch": loom(cores, "process", True),
+        **{f"DataLoader(num_workers={cores}, prefetch_factor={f})": dataloader(f) for f in (2, 4, 8)},
+    }
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results["runs"]), figsize=(7 * len(results["runs"]), 5), sharey=True)
+    for ax, run_ in zip(np.atleast_1d(axes), results["runs"]):
+        rows = [r for r in run_["results"] if "samples_per_sec" in r]
+        names = [r["name"] for r in rows]
+        colors = ["tab:blue" if n.startswith("loom") else "tab:orange" if n.startswith("Data") else "tab:green" for n in names]
+        ax.barh(names, [r["samples_per_sec"] for r in rows], color=colors)
+        ax.axvline(run_["ideal_samples_per_sec"], color="black", linestyle="--", label="max(input / measured parallelism, step)")
+        ax.set_title(f"step {run_['step_ms']:.1f} ms")
+        ax.set_xlabel("samples/s")
+        ax.invert_yaxis()
+        ax.legend(loc="lower right")
+    fig.suptitle(f"{results['images']} PNGs, batch {results['batch']}, {results['cores']} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--data", type=Path, default=Path(os.environ.get("LOOM_BENCH_DATA", Path.home() / ".cache" / "loom-bench")))
+    parser.add_argument("--rounds", type=int, default=3, help="timed epochs per configuration (median)")
+    parser.add_argument("--quick", action="store_true", help="4,000 images, one round: a smoke test")
+    args = parser.parse_args()
+    images = 4_000 if args.quick else args.images
+    args.rounds = 1 if args.quick else args.rounds
+    folder = make_images(args.data, images)
+    cores = len(os.sched_getaffinity(0))
+
+    dataset = AugmentedImages(folder)
+    rates: dict[int, list[float]] = {1: [], cores: []}
+
+    def bare() -> None:
+        for processes in rates:
+            rates[processes].append(raw_rate(dataset, processes))
+
+    for _ in range(2):
+        bare()
+    step_seconds = args.batch / statistics.median(rates[1]) / cores  # balanced: input / cores
+    runs = []
+    for step in (0.0, step_seconds):
+        print(f"\nstep {step * 1e3:.1f} ms:")
+        results = measure(contenders(folder, args.batch, cores), step, args.batch, args.rounds, bare)
+        results.append(tf_data(folder, args.batch, step))
+        if "skipped" in results[-1]:
+            print(f"  tf.data: skipped: {results[-1]['skipped']}")
+        one, many = statistics.median(rates[1]), statistics.median(rates[cores])
+        input_seconds, parallel_seconds = args.batch / one, args.batch / many
+        ideal, nominal = max(parallel_seconds, step), max(input_seconds / cores, step)
+        print(f"  bare per-image work: {one:,.0f} samples/s in 1 process, {many:,.0f} in {cores} ({many / one:.2f}x)")
+        print(f"  ideal step max(input / parallelism, step): {ideal * 1e3:.1f} ms with the measured parallelism, {nominal * 1e3:.1f} ms with {cores}")
+        timed = [r for r in results if "samples_per_sec" in r]
+        best = {kind: max((r for r in timed if r["name"].startswith(kind)), key=lambda r: r["samples_per_sec"]) for kind in ("loom", "DataLoader")}
+        ratio = best["loom"]["samples_per_sec"] / best["DataLoader"]["samples_per_sec"]
+        best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"]), key=lambda r: r["step_ms"])
+        off_ideal, off_nominal = best_prefetched["step_ms"] / (ideal * 1e3), best_prefetched["step_ms"] / (nominal * 1e3)
+        print(f"  best loom / best DataLoader: {ratio:.3f}x  ({best['loom']['name']} vs {best['DataLoader']['name']})")
+        print(f"  best prefetched loom step / ideal: {off_ideal:.3f} (measured parallelism), {off_nominal:.3f} (nominal); target <= 1.05")
+        runs.append({
+            "step_ms": step * 1e3,
+            "bare_samples_per_sec": {"1": one, str(cores): many},
+            "input_ms_per_batch": input_seconds * 1e3,
+            "ideal_step_ms": ideal * 1e3,
+            "nominal_ideal_step_ms": nominal * 1e3,
+            "ideal_samples_per_sec": args.batch / ideal,
+            "loom_vs_dataloader": ratio,
+            "prefetched_step_vs_ideal": off_ideal,
+            "prefetched_step_vs_nominal_ideal": off_nominal,
+            "results": results,
+        })
+    summary = {"images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs}
+    print(f"\nsaved {save('input_pipeline', summary)}")
+    plot(summary, RESULTS / "input_pipeline.png")
+    print(f"plot  {RESULTS / 'input_pipeline.png'}")
+
+
+if __name__ == "__main__":
+    main()

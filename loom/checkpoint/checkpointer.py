@@ -1,0 +1,209 @@
+"""Save and restore a job's state on ``torch.distributed.checkpoint``, committed atomically.
+
+Every rank calls ``save``/``restore`` at the same point. Tensors go through DCP: replicated
+tensors are written once, spread over the ranks, and a checkpoint loads on any number of
+replicas. Rank 0 commits: only once every rank's files are written does the checkpoint get
+its marker and its final name (``loom.checkpoint.layout``). ``async_save`` copies the state
+to memory and writes it from a background thread over a process group of its own, so
+training goes on meanwhile; the commit follows when the write completes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from loom import comm
+from loom.checkpoint import layout
+from loom.checkpoint.safe_reader import SafeFileSystemReader, read_index
+from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state
+from loom.errors import CheckpointError, CheckpointMismatchError
+
+FORMAT = 1
+
+
+class Checkpointer:
+    """One process's side of saving and restoring; a strategy owns one."""
+
+    def __init__(self, strategy: str = "", durable: bool = True) -> None:
+        """``durable``: fsync every file before the commit (survives a power loss, not just a kill)."""
+        self.strategy = strategy
+        self.durable = durable
+        self._group: Any = None
+        self._pending: Future | None = None
+        self._pending_error: BaseException | None = None
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    # ---- saving ------------------------------------------------------------------------------
+    def save(self, root: str | Path, step: int, state: dict[str, Any], keep: int = 3, async_save: bool = False) -> Path:
+        """Write ``state`` as ``root/step-<step>``; returns that path (committed later if async)."""
+        self.wait()
+        tensors, plain, kinds = collect(state)
+        temp, final = layout.temp_dir(root, step), layout.step_dir(root, step)
+        if self.rank == 0:
+            layout.clear_temp(temp)
+        comm.barrier()
+        _write_json(temp / f"rank-{self.rank:05d}.json", {"rng": rng_state()})
+        if self.rank == 0:
+            meta = {
+                "format": FORMAT,
+                "step": step,
+                "strategy": self.strategy,
+                "world_size": self.world_size,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "kinds": kinds,
+                "plain": plain,
+                "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in flatten(tensors).items()},
+            }
+            _write_json(temp / "loom.json", meta)
+        writer = dcp.FileSystemWriter(temp, sync_files=self.durable)
+        options = {"storage_writer": writer, "process_group": self._checkpoint_group(), "no_dist": not dist.is_initialized()}
+        if async_save:
+            with _quiet():
+                self._pending = dcp.async_save(tensors, **options)
+            if self.rank == 0:
+                self._pending.add_done_callback(lambda done: self._commit_after(done, temp, final, root, keep))
+            return final
+        with _quiet():
+            dcp.save(tensors, **options)
+        if self.rank == 0:
+            self._commit(temp, final, root, keep)
+        comm.barrier()
+        return final
+
+    def wait(self) -> None:
+        """Block until an asynchronous save is written and committed; raise what it failed with."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
+        if self._pending_error is not None:
+            error, self._pending_error = self._pending_error, None
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+
+    def _commit_after(self, done: Future, temp: Path, final: Path, root: str | Path, keep: int) -> None:
+        try:
+            done.result()
+            self._commit(temp, final, root, keep)
+        except BaseException as error:  # noqa: BLE001 - reported by the next wait()
+            self._pending_error = error
+
+    def _commit(self, temp: Path, final: Path, root: str | Path, keep: int) -> None:
+        layout.commit(temp, final)
+        layout.prune(root, keep)
+
+    # ---- restoring ---------------------------------------------------------------------------
+    def restore(self, path: str | Path, state: dict[str, Any], fallback: bool = False) -> dict[str, Any] | None:
+        """Load the latest complete checkpoint under ``path`` (or ``path`` itself) into ``state``.
+
+        Returns the saved plain values with ``step``, or None when there is no checkpoint yet.
+        With ``fallback``, a damaged checkpoint is reported and the one before it is tried.
+        """
+        self.wait()
+        candidates = _candidates(Path(path), fallback)
+        for i, candidate in enumerate(candidates):
+            try:
+                return self._restore(candidate, state)
+            except CheckpointMismatchError:
+                raise  # an older checkpoint of the same run would not match either
+            except CheckpointError as error:
+                if i == len(candidates) - 1:
+                    raise
+                warnings.warn(f"loom: skipping a damaged checkpoint: {error}; trying the one before it", stacklevel=2)
+        return None
+
+    def _restore(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+        layout.verify(path)
+        meta = _read_json(path / "loom.json")
+        index = read_index(path / ".metadata")
+        tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"})
+        check_match(flatten(tensors), index.state_dict_metadata, path)
+        try:
+            with _quiet():
+                dcp.load(
+                    tensors,
+                    storage_reader=SafeFileSystemReader(path),
+                    process_group=self._checkpoint_group(),
+                    no_dist=not dist.is_initialized(),
+                )
+        except Exception as error:
+            raise CheckpointError(f"{path}: could not be read ({error}); restore(..., fallback=True) tries the previous one") from error
+        values = apply(state, meta["kinds"], merge(tensors, meta["plain"]))
+        mine = path / f"rank-{self.rank:05d}.json"
+        if mine.is_file() and meta["world_size"] == self.world_size:
+            set_rng_state(_read_json(mine)["rng"])
+        return {
+            **{k: v for k, v in meta["plain"].items() if meta["kinds"][k] == "value"},
+            **values,
+            "step": meta["step"],
+            "path": str(path),
+            "strategy": meta["strategy"],
+            "world_size": meta["world_size"],
+        }
+
+    def _checkpoint_group(self) -> Any:
+        """A gloo group of its own, so a background write never interleaves with training's collectives."""
+        if dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+
+def _candidates(path: Path, fallback: bool) -> list[Path]:
+    """The checkpoint ``path`` names (itself, or the newest under it), then older ones with ``fallback``."""
+    if (path / layout.MARKER).is_file():
+        older = [p for p in reversed(layout.committed(path.parent)) if p.name < path.name]
+        return [path] + (older if fallback else [])
+    found = list(reversed(layout.committed(path)))
+    return found if fallback else found[:1]
+
+
+def check_match(wanted: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """The first key whose presence or shape differs, named with both shapes."""
+    for key, tensor in wanted.items():
+        entry = saved.get(key)
+        if entry is None or not hasattr(entry, "size"):
+            raise CheckpointMismatchError(
+                f"checkpoint does not match: {path} has no tensor '{key}' (here {list(tensor.shape)}); "
+                "is it a checkpoint of this model?"
+            )
+        if list(entry.size) != list(tensor.shape):
+            raise CheckpointMismatchError(
+                f"checkpoint does not match: '{key}' is {list(entry.size)} in {path} and {list(tensor.shape)} here"
+            )
+    roots = {key.split(".", 1)[0] for key in wanted}
+    for key in saved:
+        if key.split(".", 1)[0] in roots and key not in wanted:
+            raise CheckpointMismatchError(f"checkpoint does not match: {path} has '{key}' {list(saved[key].size)}, which is not here")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns when it runs without a process group; for one replica that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def _write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from error

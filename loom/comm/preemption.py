@@ -1,0 +1,41 @@
+"""SIGTERM as a preemption notice: finish the step, save a checkpoint, exit 0.
+
+Schedulers (Kubernetes, Slurm, spot instances) send SIGTERM and wait a grace period before
+killing. Once armed, the signal only sets a flag; ``Strategy.preempted()`` combines the flags
+of all replicas at a step boundary, so every replica stops after the same step and they can
+save together. Unarmed, SIGTERM ends the process as before. A rank whose peer has died still
+exits at once naming it (``loom.comm.health``): that SIGTERM is not a preemption.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+_requested = threading.Event()
+_armed = False
+
+
+def arm() -> None:
+    """From now on, SIGTERM asks for a save at the next step boundary instead of ending the process."""
+    global _armed
+    _armed = True
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: request())  # no health monitor: one process
+
+
+def armed() -> bool:
+    return _armed
+
+
+def request() -> None:
+    if not _requested.is_set():
+        _requested.set()
+        os.write(sys.stderr.fileno(), b"loom: SIGTERM received: saving a checkpoint after this step, then exiting\n")
+
+
+def requested() -> bool:
+    """Whether this process has been asked to stop (``Strategy.preempted`` asks every replica)."""
+    return _requested.is_set()

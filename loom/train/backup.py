@@ -1,0 +1,55 @@
+"""Keras' BackupAndRestore for ``loom.fit``: a job that is killed or preempted picks up where it was.
+
+At start, fit restores the newest complete checkpoint (model, optimizer, input position,
+epoch, history, every replica's RNG). It saves every ``every`` steps and at each epoch's
+end. Once armed, SIGTERM makes every replica save after the same step and exit 0; with
+``loom run --max-restarts N`` a job that lost a process is restarted and resumes here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from loom.comm import preemption
+from loom.strategies import Strategy
+from loom.train.callbacks import FitState
+
+
+class BackupAndRestore:
+    def __init__(self, strategy: Strategy, directory: str | Path, every: int | None, keep: int, async_save: bool) -> None:
+        self.strategy = strategy
+        self.directory = Path(directory)
+        self.every = every
+        self.keep = keep
+        self.async_save = async_save
+        preemption.arm()
+
+    def restore(self, state: FitState, loader: Any) -> int:
+        """The epoch to start from: the saved one, with the model, optimizer and loader restored."""
+        saved = self.strategy.restore(self.directory, model=state.model, optimizer=state.optimizer, loader=loader)
+        if saved is None:
+            return 0
+        state.step, state.history = saved["step"], saved["history"]
+        if self.strategy.is_chief:
+            print(f"loom: resumed from {saved['path']} (step {saved['step']}, epoch {saved['epoch'] + 1})", flush=True)
+        return saved["epoch"]
+
+    def after_step(self, state: FitState, loader: Any) -> None:
+        if self.every and state.step % self.every == 0:
+            self._save(state, loader, state.epoch)
+        if self.strategy.preempted():
+            self._save(state, loader, state.epoch)
+            self.strategy.shutdown()  # waits for an asynchronous save to be committed
+            if self.strategy.is_chief:
+                print(f"loom: preempted: saved step {state.step} to {self.directory}; exiting", flush=True)
+            raise SystemExit(0)
+
+    def after_epoch(self, state: FitState, loader: Any) -> None:
+        self._save(state, loader, state.epoch + 1)
+
+    def _save(self, state: FitState, loader: Any, epoch: int) -> None:
+        self.strategy.save(
+            self.directory, step=state.step, keep=self.keep, async_save=self.async_save,
+            model=state.model, optimizer=state.optimizer, loader=loader, epoch=epoch, history=state.history,
+        )  # fmt: skip

@@ -1,0 +1,155 @@
+"""loom.checkpoint: round trips, atomic commits, damage and mismatch, portability across strategies."""
+
+import json
+import os
+import pickle
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import loom
+import loom.data as ld
+from loom.checkpoint import committed
+from loom.errors import CheckpointError, CheckpointMismatchError
+from tests.helpers import ROOT, SCRIPTS, job_env, loom_run
+
+
+def _trained(seed=0):
+    torch.manual_seed(seed)
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2)), lambda p: torch.optim.Adam(p, lr=0.05))
+    for _ in range(3):
+        strategy.backward(model(torch.randn(4, 5)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    return strategy, model, opt
+
+
+def test_round_trip_of_model_optimizer_input_position_rng_and_values(tmp_path):
+    strategy, model, opt = _trained()
+    loader = strategy.distribute(ld.from_tensors(torch.arange(50)).shuffle(seed=2).batch(5))
+    it = iter(loader)
+    seen = [next(it).tolist() for _ in range(3)]
+    strategy.save(tmp_path, step=3, model=model, optimizer=opt, loader=loader, epoch=0, history={"loss": [0.5, 0.25]})
+    after_save = (torch.rand(3), np.random.rand(), random.random())
+    rest = [b.tolist() for b in it]
+
+    fresh, fresh_model, fresh_opt = _trained(seed=7)
+    fresh_loader = fresh.distribute(ld.from_tensors(torch.arange(50)).shuffle(seed=2).batch(5))
+    saved = fresh.restore(tmp_path, model=fresh_model, optimizer=fresh_opt, loader=fresh_loader)
+    assert (saved["step"], saved["epoch"], saved["history"]) == (3, 0, {"loss": [0.5, 0.25]})
+    assert (torch.rand(3), np.random.rand(), random.random())[1:] == after_save[1:]
+    for a, b in zip(model.parameters(), fresh_model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(opt.state.values(), fresh_opt.state.values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [b.tolist() for b in fresh_loader] == rest and len(seen) + len(rest) == 10
+
+
+def test_nothing_to_restore_returns_none(tmp_path):
+    strategy, model, _ = _trained()
+    assert strategy.restore(tmp_path / "none-yet", model=model) is None
+
+
+def test_keeps_the_last_k_and_restores_the_newest(tmp_path):
+    strategy, model, opt = _trained()
+    for step in range(1, 6):
+        strategy.save(tmp_path, step=step, keep=2, model=model, marker=step)
+    assert [p.name for p in committed(tmp_path)] == ["step-00000004", "step-00000005"]
+    assert strategy.restore(tmp_path, model=model)["marker"] == 5
+
+
+def test_async_save_is_committed_by_the_next_wait(tmp_path):
+    strategy, model, opt = _trained()
+    strategy.save(tmp_path, step=1, async_save=True, model=model, optimizer=opt)
+    expected = [p.detach().clone() for p in model.parameters()]
+    strategy.backward(model(torch.randn(4, 5)).sum())
+    opt.step()  # training goes on: the checkpoint keeps the values of step 1
+    strategy.shutdown()  # waits for the write and the commit
+    fresh, fresh_model, _ = _trained(seed=3)
+    fresh.restore(tmp_path, model=fresh_model)
+    assert all(torch.equal(a, b) for a, b in zip(expected, fresh_model.parameters()))
+
+
+def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "big_saves.py"), str(tmp_path)], cwd=ROOT, env=job_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.glob(".tmp-step-00000002/*.distcp")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the big save never started"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert [p.name for p in committed(tmp_path)] == ["step-00000001"], "killed too late: the save had committed"
+    saved = loom.OneDeviceStrategy().restore(tmp_path, model=nn.Linear(4, 2))
+    assert (saved["step"], saved["note"]) == (1, "small")
+
+
+def test_truncated_file_is_named_and_fallback_takes_the_previous(tmp_path):
+    strategy, model, opt = _trained()
+    strategy.save(tmp_path, step=1, model=model, optimizer=opt)
+    strategy.save(tmp_path, step=2, model=model, optimizer=opt)
+    data = tmp_path / "step-00000002" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"step-00000002/__0_0\.distcp: truncated or altered \(100 bytes"):
+        strategy.restore(tmp_path, model=model, optimizer=opt)
+    with pytest.warns(UserWarning, match="skipping a damaged checkpoint"):
+        assert strategy.restore(tmp_path, model=model, optimizer=opt, fallback=True)["step"] == 1
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_never_runs_pickled_code(tmp_path):
+    strategy, model, _ = _trained()
+    path = strategy.save(tmp_path, step=1, model=model)
+    evil = pickle.dumps(_Exploit())
+    (path / ".metadata").write_bytes(evil)
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker["files"][".metadata"] = len(evil)  # the sizes agree: only the unpickler stands in the way
+    (path / "COMMITTED").write_text(json.dumps(marker))
+    with pytest.raises(CheckpointError, match=r"\.metadata: unreadable checkpoint index \(refusing to load posix\.system"):
+        strategy.restore(tmp_path, model=model)
+
+
+def test_mismatched_model_names_the_key_and_both_shapes(tmp_path):
+    strategy, model, _ = _trained()
+    strategy.save(tmp_path, step=1, model=model)
+    wider = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(CheckpointMismatchError, match=r"'model\.0\.weight' is \[8, 5\] in .* and \[16, 5\] here"):
+        strategy.restore(tmp_path, model=wider)
+    deeper = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
+    with pytest.raises(CheckpointMismatchError, match=r"has no tensor 'model\.3\.weight' \(here \[2, 2\]\)"):
+        strategy.restore(tmp_path, model=deeper)
+
+
+def test_unsupported_values_are_refused_with_the_reason(tmp_path):
+    strategy, model, _ = _trained()
+    with pytest.raises(CheckpointError, match="cannot save extra: a object is neither a tensor nor a JSON value"):
+        strategy.save(tmp_path, step=1, model=model, extra=object())
+
+
+def test_portability_matrix_mirrored_4_to_one_device_mirrored_2_and_3(tmp_path):
+    """Saved under MirroredStrategy with 4 replicas; every strategy that exists restores it exactly."""
+    directory, reference = str(tmp_path / "ckpt"), str(tmp_path / "reference.pt")
+    script = str(SCRIPTS / "checkpoint_job.py")
+    saved = loom_run(["run", "--nproc", "4", script, "save", directory, reference])
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    for nproc in (2, 3):
+        run = loom_run(["run", "--nproc", str(nproc), script, "restore", directory, reference])
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.count("restored identical state") == nproc
+    alone = subprocess.run([sys.executable, script, "restore", directory, reference], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=60)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    assert "replica 0 of 1: restored identical state" in alone.stdout
