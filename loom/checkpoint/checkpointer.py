@@ -38,8 +38,7 @@ class Checkpointer:
         self.strategy = strategy
         self.durable = durable
         self._group: Any = None
-        self._pending: Future | None = None
-        self._pending_error: BaseException | None = None
+        self._pending: Future | None = None  # an asynchronous save, done once committed
 
     @property
     def rank(self) -> int:
@@ -75,9 +74,9 @@ class Checkpointer:
         options = {"storage_writer": writer, "process_group": self._checkpoint_group(), "no_dist": not dist.is_initialized()}
         if async_save:
             with _quiet():
-                self._pending = dcp.async_save(tensors, **options)
-            if self.rank == 0:
-                self._pending.add_done_callback(lambda done: self._commit_after(done, temp, final, root, keep))
+                written = dcp.async_save(tensors, **options)
+            self._pending = committed = Future()
+            written.add_done_callback(lambda done: self._commit_after(done, committed, temp, final, root, keep))
             return final
         with _quiet():
             dcp.save(tensors, **options)
@@ -90,17 +89,20 @@ class Checkpointer:
         """Block until an asynchronous save is written and committed; raise what it failed with."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
-        if self._pending_error is not None:
-            error, self._pending_error = self._pending_error, None
-            raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
+            try:
+                pending.result()
+            except Exception as error:
+                raise CheckpointError(f"the asynchronous checkpoint save failed: {error}") from error
 
-    def _commit_after(self, done: Future, temp: Path, final: Path, root: str | Path, keep: int) -> None:
+    def _commit_after(self, written: Future, committed: Future, temp: Path, final: Path, root: str | Path, keep: int) -> None:
+        """Runs on the writer's thread once this rank's part is written (rank 0: all parts)."""
         try:
-            done.result()
-            self._commit(temp, final, root, keep)
-        except BaseException as error:  # noqa: BLE001 - reported by the next wait()
-            self._pending_error = error
+            written.result()
+            if self.rank == 0:
+                self._commit(temp, final, root, keep)
+            committed.set_result(None)
+        except BaseException as error:  # noqa: BLE001 - handed to wait()
+            committed.set_exception(error)
 
     def _commit(self, temp: Path, final: Path, root: str | Path, keep: int) -> None:
         layout.commit(temp, final)

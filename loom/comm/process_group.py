@@ -73,6 +73,7 @@ class Connection:
         if self._owns_group:
             dist.init_process_group(
                 self.backend,
+                store=_attempt_store(spec, timeout),
                 rank=spec.rank,
                 world_size=spec.world_size,
                 timeout=timedelta(seconds=timeout),
@@ -106,3 +107,17 @@ class Connection:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self._owns_group = False
+
+
+def _attempt_store(spec: ClusterSpec, timeout: float) -> dist.Store | None:
+    """The launcher's store, with keys of their own for each elastic restart.
+
+    After a restart, torchrun's workers meet in the same store as the attempt before, where
+    the dead ranks' addresses are still written: a new rank can read one and fail to connect
+    ("Connection refused"). A prefix per attempt keeps the attempts apart.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None  # not under torchrun: init_process_group's own env:// rendezvous
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(spec.master_addr, spec.master_port, is_master=False, timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"loom/attempt-{attempt}", store)

@@ -83,6 +83,7 @@ class DistributedLoader:
                 num_workers=workers,
                 pin_memory=device.type == "cuda",
                 persistent_workers=workers > 0,
+                generator=own_generator(seed),
                 **loader_args,
             )
         elif not isinstance(data, Iterable):
@@ -168,3 +169,9 @@ class DistributedLoader:
         self._iterable_tail = (batch, plan.valid_count(0, self.replica))
         return [chunk[i] for i in plan.replica_slice(list(range(len(chunk))), 0, self.replica)]
 
+
+
+def own_generator(seed: int) -> torch.Generator:
+    """A DataLoader draws a seed for its workers at every epoch; from its own generator that
+    draw leaves the global RNG alone, so training (dropout...) resumes exactly from a checkpoint."""
+    return torch.Generator().manual_seed(seed)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 from torchdata.nodes import BaseNode, Loader, ParallelMapper, PinMemory, Prefetcher
 
-from loom.data.loader import to_device
+from loom.data.loader import own_generator, to_device
 from loom.data.plan import Chunk, EpochPlan, choose_sharding
 from loom.data.report import InputStats
 from loom.data.sharding import check_global_batch
@@ -269,6 +269,7 @@ class PipelineLoader:
                 persistent_workers=True,
                 in_order=self.pipeline.deterministic,
                 worker_init_fn=_yield_to_training,
+                generator=own_generator(self.pipeline.ops.seed),
             )
         node: BaseNode = ParallelMapper(
             _ChunkNode(self._chunks),
