@@ -48,6 +48,7 @@ class HealthMonitor:
     def __init__(self, spec: ClusterSpec, interval: float = 1.0, store_timeout: float = 10.0) -> None:
         self.spec = spec
         self.interval = interval
+        self.silence_limit = resolve_silence_limit()
         self.host = spec.host
         self._store_timeout = timedelta(seconds=store_timeout)
         self._store = self._connect()
@@ -72,13 +73,19 @@ class HealthMonitor:
     def start(self) -> None:
         me = {"host": self.host, "pid": os.getpid()}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
+        self._contact = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._watch_contact, name="loom-watchdog", daemon=True).start()
         sys.excepthook = self._excepthook
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def stop(self) -> None:
+        try:  # a rank that finished is not a rank that stopped responding
+            self._store.set(self._key("done", self.spec.rank), "1")
+        except Exception:
+            pass
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
@@ -86,14 +93,55 @@ class HealthMonitor:
         sys.excepthook = self._previous_excepthook
 
     def _beat(self) -> None:
+        """Beat, and watch the others: a peer silent for ``silence_limit`` stops the job now,
+        not at the collective timeout."""
         store = self._connect()  # a client of its own: the main thread may be using the other
         key = self._key("beat", self.spec.rank)
+        heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
-            except Exception:  # the store went away with the agent: the job is ending anyway
-                return
+                silent = self._silent_peers(store, heard)
+                self._contact = time.monotonic()
+            except Exception:  # unreachable: _watch_contact decides when that is fatal
+                silent = []
+            if silent and not self._stop.is_set():
+                self._give_up("; ".join(silent))
             self._stop.wait(self.interval)
+
+    def _watch_contact(self) -> None:
+        """A store call can block for good when this host is cut off: watch from another thread."""
+        while not self._stop.wait(self.interval):
+            if time.monotonic() - self._contact > self.silence_limit:
+                where = f"{self.spec.master_addr}:{self.spec.master_port}"
+                self._give_up(
+                    f"lost contact with the job's store at {where} for {self.silence_limit:g}s "
+                    "(this host is cut off from the others, or the launcher's node is down)",
+                    post=False,
+                )
+
+    def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]]) -> list[str]:
+        now, silent = time.monotonic(), []
+        for r in range(self.spec.world_size):
+            if r == self.spec.rank or not store.check([self._key("member", r)]) or store.check([self._key("done", r)]):
+                continue
+            beats = store.add(self._key("beat", r), 0)
+            last = heard.get(r)
+            if last is None or last[0] != beats:
+                heard[r] = (beats, now)
+            elif now - last[1] > self.silence_limit:
+                info = json.loads(store.get(self._key("member", r)))
+                state = "died" if info["host"] == self.host and not _pid_alive(info["pid"]) else (
+                    f"stopped responding (no heartbeat for {self.silence_limit:g}s)")  # fmt: skip
+                silent.append(f"rank {r} ({info['host']}, pid {info['pid']}) {state}")
+        return silent
+
+    def _give_up(self, reason: str, post: bool = True) -> None:
+        """The main thread may be stuck in a collective that will never finish: exit from here."""
+        if post:
+            self.post_failure(reason, victim=True)
+        _say(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}")
+        os._exit(RankFailureError.EXIT_CODE)
 
     def post_failure(self, reason: str, victim: bool = False) -> None:
         """Tell the other ranks why this one is about to exit.
@@ -179,6 +227,18 @@ class HealthMonitor:
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
         _say(f"loom: rank {self.spec.rank} on {self.host} {why}")
         os._exit(RankFailureError.EXIT_CODE if reason else 128 + signal.SIGTERM)
+
+
+def resolve_silence_limit() -> float:
+    """Seconds without a peer's heartbeat before it counts as gone (``LOOM_HEARTBEAT_TIMEOUT``, default 30)."""
+    text = os.environ.get("LOOM_HEARTBEAT_TIMEOUT", "30")
+    try:
+        limit = float(text)
+    except ValueError:
+        limit = -1.0
+    if limit <= 0:
+        raise ValueError(f"LOOM_HEARTBEAT_TIMEOUT must be a positive number of seconds, got {text!r}")
+    return limit
 
 
 def _say(line: str) -> None:

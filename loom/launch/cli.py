@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import typing
 from dataclasses import MISSING, fields
@@ -44,7 +45,37 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
     _add_launch_options(env)
+    checkpoint = commands.add_parser("checkpoint", help="look into a checkpoint, or export its weights")
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    inspect = actions.add_parser("inspect", help="list what a checkpoint holds")
+    inspect.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    export = actions.add_parser("export", help="write a model's consolidated weights as safetensors, for serving")
+    export.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
+    export.add_argument("output", help="the .safetensors file to write")
+    export.add_argument("--name", help="which saved model, when there are several")
     return parser
+
+
+def _checkpoint_command(args: argparse.Namespace) -> int:
+    from loom.checkpoint.describe import describe, export
+
+    if args.action == "export":
+        out = export(args.directory, args.output, args.name)
+        print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+        return 0
+    info = describe(args.directory)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"{info['path']}: step {info['step']}, saved by {info['strategy']} on {info['world_size']} replica(s) at {info['saved_at']}, {info['bytes']:,} bytes")
+    print("objects: " + ", ".join(f"{k} ({v})" for k, v in info["objects"].items()))
+    for key, value in info["values"].items():
+        print(f"  {key} = {json.dumps(value)[:100]}")
+    width = max((len(k) for k in info["tensors"]), default=0)
+    for key, tensor in info["tensors"].items():
+        print(f"  {key:<{width}}  {tensor['dtype']:<9} {tensor['shape']}")
+    return 0
 
 
 def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
@@ -78,6 +109,8 @@ def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "checkpoint":
+            return _checkpoint_command(args)
         opts = _options(args)
         if args.command == "env":
             rows = describe_environment(opts)

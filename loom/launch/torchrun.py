@@ -7,9 +7,11 @@ budget, collective timeout) and handed to the workers through torchrun's environ
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import socket
+import struct
 import sys
 from dataclasses import dataclass, field
 
@@ -102,7 +104,36 @@ def worker_environment(opts: LaunchOptions) -> dict[str, str]:
     env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads)}
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = str(opts.timeout)
+    node = opts.node()
+    if node.nnodes > 1 and "GLOO_SOCKET_IFNAME" not in os.environ:
+        interface = interface_towards(node.master_addr)
+        if interface:  # else gloo binds to what the hostname resolves to, often loopback
+            env["GLOO_SOCKET_IFNAME"] = interface
     return env
+
+
+def interface_towards(address: str) -> str | None:
+    """The network interface this host reaches ``address`` through.
+
+    Gloo listens on the address its hostname resolves to, and falls back to loopback when the
+    name does not resolve: the other nodes then cannot connect ("Connection refused"). The
+    interface that routes to the master is the one the other nodes can reach.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((address, 9))  # UDP: picks the route, sends nothing
+            local = probe.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue
+            if socket.inet_ntoa(packed[20:24]) == local:
+                return name
+    except OSError:
+        return None
+    return None
 
 
 def describe_failure(error: ChildFailedError) -> str:

@@ -153,3 +153,21 @@ def test_portability_matrix_mirrored_4_to_one_device_mirrored_2_and_3(tmp_path):
     alone = subprocess.run([sys.executable, script, "restore", directory, reference], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=60)
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert "replica 0 of 1: restored identical state" in alone.stdout
+
+    inspect = loom_run(["checkpoint", "inspect", directory])
+    assert inspect.returncode == 0, inspect.stderr
+    assert "step 5, saved by MirroredStrategy on 4 replica(s)" in inspect.stdout
+    assert "model.0.weight" in inspect.stdout and "float32   [32, 6]" in inspect.stdout
+    assert "epoch = 2" in inspect.stdout and "optimizer.state.0.weight.exp_avg" in inspect.stdout
+    exported = loom_run(["checkpoint", "export", directory, str(tmp_path / "model.safetensors")])
+    assert exported.returncode == 0, exported.stderr
+    from safetensors.torch import load_file
+
+    weights, expected = load_file(tmp_path / "model.safetensors"), torch.load(reference)["model"]
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in expected)
+
+
+def test_inspect_of_a_directory_without_checkpoints_says_so(tmp_path):
+    run = loom_run(["checkpoint", "inspect", str(tmp_path)])
+    assert run.returncode == 2
+    assert f"loom: error: {tmp_path}: no complete checkpoint here" in run.stderr

@@ -1,6 +1,6 @@
 """loom.fit with checkpoints, slowed down so a test can kill or preempt it mid-run.
 
-    fit_resumable.py OUT CKPT_DIR [pipeline|dataset]
+    fit_resumable.py OUT CKPT_DIR pipeline|dataset [EPOCHS]
 
 Rank 1 appends "<restart> <pid> <step>" to OUT.progress after every step; rank 0 saves the
 final parameters to OUT.pt.
@@ -33,12 +33,13 @@ class Slow(Callback):
 
 def main() -> None:
     out, checkpoints, kind = sys.argv[1], sys.argv[2], sys.argv[3]
+    epochs = int(sys.argv[4]) if len(sys.argv) > 4 else 3
     torch.manual_seed(0)
     train = data(400, 0)
     if kind == "pipeline":
         train = ld.from_tensors(*train.tensors).shuffle(seed=5).map(lambda row: row, num_parallel=2).batch(40)
     model = nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))  # dropout: RNG matters
-    loom.fit(model, F.cross_entropy, lambda p: torch.optim.Adam(p, lr=0.01), train, epochs=3, batch_size=40,
+    loom.fit(model, F.cross_entropy, lambda p: torch.optim.Adam(p, lr=0.01), train, epochs=epochs, batch_size=40,
              checkpoint_dir=checkpoints, checkpoint_every=1, callbacks=[Slow(out)], progress=False)  # fmt: skip
     if loom.auto_strategy().is_chief:
         torch.save(model.state_dict(), f"{out}.pt")

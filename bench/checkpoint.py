@@ -1,0 +1,227 @@
+"""Checkpoint speed: loom's DCP-based save and restore against torch.save / torch.load.
+
+    python bench/checkpoint.py [--mb 500] [--repeats 3]
+
+About 500 MB of state: an MLP's parameters plus Adam's two moments (three times the
+parameters). Measured in one process, and in two (MirroredStrategy: each rank writes half,
+against torch.save from rank 0, the usual DDP practice). ``durable`` saves fsync every file
+before the commit (loom's default); torch.save does not fsync, so both are shown with and
+without it. Also: how much slower training steps run while an asynchronous save is being
+written, and the time from process start to the first step when resuming.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.workloads import RESULTS, save  # noqa: E402
+
+import loom  # noqa: E402
+from loom.checkpoint import Checkpointer  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_state(megabytes: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """An MLP whose parameters and Adam moments add up to ``megabytes``, with Adam's state filled."""
+    width = int((megabytes * 2**20 / 4 / 3 / 4) ** 0.5)  # four width x width layers, x3 for Adam
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(4)])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    tensors = list(model.state_dict().values()) + [t for s in opt.state.values() for t in s.values()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def timed(fn: Callable[[], Any], repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` runs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def fsync_tree(path: Path) -> None:
+    for file in [path] if path.is_file() else path.rglob("*"):
+        if file.is_file():
+            fd = os.open(file, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
+
+
+def one_process(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
+    model, opt = make_state(megabytes)
+    size = state_bytes(model, opt)
+    plain = work / "torch.pt"
+
+    def torch_save(sync: bool) -> None:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, plain)
+        if sync:
+            fsync_tree(plain)
+
+    def loom_save(durable: bool) -> None:
+        Checkpointer("OneDeviceStrategy", durable=durable).save(work / "loom", 1, {"model": model, "optimizer": opt}, keep=1)
+
+    def torch_load() -> None:
+        state = torch.load(plain, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optim"])
+
+    rows = {
+        "torch.save": timed(lambda: torch_save(False), repeats),
+        "loom save (durable=False)": timed(lambda: loom_save(False), repeats),
+        "torch.save + fsync": timed(lambda: torch_save(True), repeats),
+        "loom save (durable, default)": timed(lambda: loom_save(True), repeats),
+        "torch.load + load_state_dict": timed(torch_load, repeats),
+        "loom restore": timed(lambda: Checkpointer().restore(work / "loom", {"model": model, "optimizer": opt}), repeats),
+    }
+    result = {name: {"seconds": s, "MB_per_s": size / 2**20 / s} for name, s in rows.items()}
+    result["state_MB"] = size / 2**20
+    result["save_vs_torch"] = rows["torch.save"] / rows["loom save (durable=False)"]
+    result["durable_save_vs_torch_fsync"] = rows["torch.save + fsync"] / rows["loom save (durable, default)"]
+    result["restore_vs_torch"] = rows["torch.load + load_state_dict"] / rows["loom restore"]
+    result["async"] = async_slowdown(model, opt, work)
+    return result
+
+
+def async_slowdown(model: nn.Module, opt: torch.optim.Optimizer, work: Path) -> dict[str, Any]:
+    """Training steps while an async save is written, against steps with no save going on."""
+    width = model[0].in_features
+    batch = torch.randn(64, width)
+
+    def step() -> float:
+        start = time.perf_counter()
+        model(batch).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return time.perf_counter() - start
+
+    for _ in range(3):
+        step()
+    quiet = statistics.median(step() for _ in range(10))
+    checkpointer = Checkpointer("OneDeviceStrategy")
+    start = time.perf_counter()
+    checkpointer.save(work / "async", 1, {"model": model, "optimizer": opt}, keep=1, async_save=True)
+    blocked = time.perf_counter() - start
+    during = []
+    while checkpointer._pending is not None and not checkpointer._pending.done():
+        during.append(step())
+    checkpointer.wait()
+    written = time.perf_counter() - start
+    slower = statistics.median(during) / quiet if during else float("nan")
+    return {
+        "step_seconds": quiet,
+        "step_seconds_during_async_save": statistics.median(during) if during else None,
+        "steps_during_save": len(during),
+        "slowdown": slower,
+        "blocking_seconds": blocked,
+        "seconds_until_committed": written,
+    }
+
+
+def two_processes(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
+    run = subprocess.run(
+        [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", "2", __file__, "--worker", "--mb", str(megabytes),
+         "--repeats", str(repeats), "--work", str(work)],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    if run.returncode:
+        raise RuntimeError(run.stderr[-3000:])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def worker(megabytes: float, repeats: int, work: Path) -> None:
+    """One of two replicas: loom (each rank writes its share) vs torch.save on rank 0."""
+    strategy = loom.MirroredStrategy()
+    model, opt = make_state(megabytes)
+    prepared, opt = strategy.prepare(model, opt)
+    size = state_bytes(model, opt.optimizer)
+
+    def torch_save() -> None:
+        if strategy.is_chief:
+            torch.save({"model": model.state_dict(), "optim": opt.optimizer.state_dict()}, work / "torch2.pt")
+        strategy.barrier()
+
+    def loom_save() -> None:
+        strategy.save(work / "loom2", step=1, keep=1, model=prepared, optimizer=opt)
+
+    rows = {"torch.save on rank 0": timed(torch_save, repeats), "loom save, 2 ranks": timed(loom_save, repeats)}
+    rows["loom restore, 2 ranks"] = timed(lambda: strategy.restore(work / "loom2", model=prepared, optimizer=opt), repeats)
+    if strategy.is_chief:
+        result = {name: {"seconds": s, "MB_per_s": size / 2**20 / s} for name, s in rows.items()}
+        result["save_vs_torch"] = rows["torch.save on rank 0"] / rows["loom save, 2 ranks"]
+        print(json.dumps(result), flush=True)
+    strategy.shutdown()
+
+
+def start_to_first_step(megabytes: float, work: Path) -> dict[str, float]:
+    """Seconds from launching a process to its first training step, fresh and resuming."""
+    code = (
+        "import sys, time, torch; sys.path.insert(0, sys.argv[1]); from bench.checkpoint import make_state;"
+        "from loom.checkpoint import Checkpointer; model, opt = make_state(float(sys.argv[2]));"
+        "sys.argv[3] == 'resume' and Checkpointer().restore(sys.argv[4], {'model': model, 'optimizer': opt});"
+        "model(torch.randn(8, model[0].in_features)).sum().backward(); opt.step(); print('stepped')"
+    )
+    times = {}
+    for mode in ("fresh", "resume"):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code, str(ROOT), str(megabytes), mode, str(work / "loom")], check=True, capture_output=True)
+        times[mode] = time.perf_counter() - start
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=float, default=500)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.mb, args.repeats, args.work)
+        return
+    with tempfile.TemporaryDirectory(dir=os.environ.get("LOOM_BENCH_TMP")) as tmp:
+        work = Path(tmp)
+        print(f"one process, about {args.mb:.0f} MB of model and Adam state, median of {args.repeats}:")
+        one = one_process(args.mb, args.repeats, work)
+        for name, row in one.items():
+            if isinstance(row, dict) and "MB_per_s" in row:
+                print(f"  {name:<32} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s")
+        print(f"  save vs torch.save: {one['save_vs_torch']:.2f}x; durable save vs torch.save+fsync: {one['durable_save_vs_torch_fsync']:.2f}x; restore vs torch.load: {one['restore_vs_torch']:.2f}x")
+        a = one["async"]
+        print(f"  async save: blocks {a['blocking_seconds']:.2f} s, committed after {a['seconds_until_committed']:.2f} s; "
+              f"{a['steps_during_save']} steps meanwhile at {a['slowdown']:.2f}x the quiet step time ({a['step_seconds'] * 1e3:.0f} ms)")  # fmt: skip
+        startup = start_to_first_step(args.mb, work)
+        print(f"  process start to first step: {startup['fresh']:.2f} s fresh, {startup['resume']:.2f} s resuming")
+        print("two processes (MirroredStrategy):")
+        two = two_processes(args.mb, args.repeats, work)
+        for name, row in two.items():
+            if isinstance(row, dict):
+                print(f"  {name:<32} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s")
+        print(f"  save vs torch.save on rank 0: {two['save_vs_torch']:.2f}x")
+    print(f"saved {save('checkpoint', {'one_process': one, 'start_to_first_step': startup, 'two_processes': two})}")
+
+
+if __name__ == "__main__":
+    main()
