@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-tf clean
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -19,8 +19,16 @@ test: $(STAMP)
 	$(PYTHON) -m pytest -q tests
 
 bench: $(STAMP)
+	-$(MAKE) bench-tf
 	$(PYTHON) bench/overhead.py
 	$(PYTHON) bench/scaling.py
+	$(PYTHON) bench/input_pipeline.py
+	$(PYTHON) bench/checkpoint.py
+
+# TensorFlow in an environment of its own, for the tf.data comparison (the benchmark says when it is missing).
+bench-tf:
+	test -x .venv-tf/bin/python || python3 -m venv .venv-tf
+	.venv-tf/bin/python -c "import tensorflow" 2>/dev/null || .venv-tf/bin/pip install -q tensorflow-cpu
 
 clean:
-	rm -rf $(VENV) runs bench/results
+	rm -rf $(VENV) .venv-tf runs bench/results

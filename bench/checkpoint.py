@@ -1,12 +1,12 @@
 """Checkpoint speed: loom's DCP-based save and restore against torch.save / torch.load.
 
-    python bench/checkpoint.py [--mb 500] [--repeats 3]
+    python bench/checkpoint.py [--mb 500] [--repeats 5]
 
 About 500 MB of state: an MLP's parameters plus Adam's two moments (three times the
 parameters). Measured in one process, and in two (MirroredStrategy: each rank writes half,
 against torch.save from rank 0, the usual DDP practice). ``durable`` saves fsync every file
 before the commit (loom's default); torch.save does not fsync, so both are shown with and
-without it. Also: how much slower training steps run while an asynchronous save is being
+without it. Contenders run in turns, median of the repeats. Also: how much slower training steps run while an asynchronous save is being
 written, and the time from process start to the first step when resuming.
 """
 
@@ -52,14 +52,16 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def timed(fn: Callable[[], Any], repeats: int) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs."""
-    times = []
+def timed(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, run in turns so the machine's slow spells hit all of them."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            os.sync()  # earlier runs' dirty pages are not this run's work
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def fsync_tree(path: Path) -> None:
@@ -88,14 +90,14 @@ def one_process(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
 
-    rows = {
-        "torch.save": timed(lambda: torch_save(False), repeats),
-        "loom save (durable=False)": timed(lambda: loom_save(False), repeats),
-        "torch.save + fsync": timed(lambda: torch_save(True), repeats),
-        "loom save (durable, default)": timed(lambda: loom_save(True), repeats),
-        "torch.load + load_state_dict": timed(torch_load, repeats),
-        "loom restore": timed(lambda: Checkpointer().restore(work / "loom", {"model": model, "optimizer": opt}), repeats),
-    }
+    rows = timed({
+        "torch.save": lambda: torch_save(False),
+        "loom save (durable=False)": lambda: loom_save(False),
+        "torch.save + fsync": lambda: torch_save(True),
+        "loom save (durable, default)": lambda: loom_save(True),
+        "torch.load + load_state_dict": torch_load,
+        "loom restore": lambda: Checkpointer().restore(work / "loom", {"model": model, "optimizer": opt}),
+    }, repeats)  # fmt: skip
     result = {name: {"seconds": s, "MB_per_s": size / 2**20 / s} for name, s in rows.items()}
     result["state_MB"] = size / 2**20
     result["save_vs_torch"] = rows["torch.save"] / rows["loom save (durable=False)"]
@@ -120,23 +122,25 @@ def async_slowdown(model: nn.Module, opt: torch.optim.Optimizer, work: Path) -> 
     for _ in range(3):
         step()
     quiet = statistics.median(step() for _ in range(10))
-    checkpointer = Checkpointer("OneDeviceStrategy")
-    start = time.perf_counter()
-    checkpointer.save(work / "async", 1, {"model": model, "optimizer": opt}, keep=1, async_save=True)
-    blocked = time.perf_counter() - start
-    during = []
-    while checkpointer._pending is not None and not checkpointer._pending.done():
-        during.append(step())
-    checkpointer.wait()
-    written = time.perf_counter() - start
-    slower = statistics.median(during) / quiet if during else float("nan")
+    runs = []
+    for _ in range(3):
+        checkpointer = Checkpointer("OneDeviceStrategy")
+        start = time.perf_counter()
+        checkpointer.save(work / "async", 1, {"model": model, "optimizer": opt}, keep=1, async_save=True)
+        blocked = time.perf_counter() - start
+        during = []
+        while checkpointer._pending is not None and not checkpointer._pending.done():
+            during.append(step())
+        checkpointer.wait()
+        runs.append((blocked, time.perf_counter() - start, during))
+    during = [t for _, _, steps in runs for t in steps]
     return {
         "step_seconds": quiet,
         "step_seconds_during_async_save": statistics.median(during) if during else None,
         "steps_during_save": len(during),
-        "slowdown": slower,
-        "blocking_seconds": blocked,
-        "seconds_until_committed": written,
+        "slowdown": statistics.median(during) / quiet if during else float("nan"),
+        "blocking_seconds": statistics.median(b for b, _, _ in runs),
+        "seconds_until_committed": statistics.median(c for _, c, _ in runs),
     }
 
 
@@ -166,8 +170,11 @@ def worker(megabytes: float, repeats: int, work: Path) -> None:
     def loom_save() -> None:
         strategy.save(work / "loom2", step=1, keep=1, model=prepared, optimizer=opt)
 
-    rows = {"torch.save on rank 0": timed(torch_save, repeats), "loom save, 2 ranks": timed(loom_save, repeats)}
-    rows["loom restore, 2 ranks"] = timed(lambda: strategy.restore(work / "loom2", model=prepared, optimizer=opt), repeats)
+    rows = timed({
+        "torch.save on rank 0": torch_save,
+        "loom save, 2 ranks": loom_save,
+        "loom restore, 2 ranks": lambda: strategy.restore(work / "loom2", model=prepared, optimizer=opt),
+    }, repeats)  # fmt: skip
     if strategy.is_chief:
         result = {name: {"seconds": s, "MB_per_s": size / 2**20 / s} for name, s in rows.items()}
         result["save_vs_torch"] = rows["torch.save on rank 0"] / rows["loom save, 2 ranks"]
@@ -194,7 +201,7 @@ def start_to_first_step(megabytes: float, work: Path) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=500)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()

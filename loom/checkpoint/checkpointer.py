@@ -11,6 +11,8 @@ training goes on meanwhile; the commit follows when the write completes.
 from __future__ import annotations
 
 import json
+import os
+import threading
 import time
 import warnings
 from concurrent.futures import Future
@@ -28,6 +30,7 @@ from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set
 from loom.errors import CheckpointError, CheckpointMismatchError
 
 FORMAT = 1
+SYNC_WRITE_THREADS = 4  # measured on 500 MB: 1 thread 0.70 s, 2 0.33 s, 4 0.26 s; torch.save 0.43 s
 
 
 class Checkpointer:
@@ -70,7 +73,10 @@ class Checkpointer:
                 "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in flatten(tensors).items()},
             }
             _write_json(temp / "loom.json", meta)
-        writer = dcp.FileSystemWriter(temp, sync_files=self.durable)
+        if async_save:  # one gentle thread in the background
+            writer = _BackgroundWriter(temp, sync_files=self.durable)
+        else:  # DCP streams each tensor through a Python file object: one thread writes at half of torch.save's speed
+            writer = dcp.FileSystemWriter(temp, sync_files=self.durable, thread_count=SYNC_WRITE_THREADS)
         options = {"storage_writer": writer, "process_group": self._checkpoint_group(), "no_dist": not dist.is_initialized()}
         if async_save:
             with _quiet():
@@ -162,6 +168,22 @@ class Checkpointer:
         if dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
         return self._group
+
+
+class _BackgroundWriter(dcp.FileSystemWriter):
+    """Writes an asynchronous checkpoint from a thread at the lowest CPU priority.
+
+    On a busy CPU an ordinary writer thread preempts one of the training step's intra-op
+    threads, and the whole parallel op waits for it: steps ran 3-4x slower during the write.
+    At nice 19 the write takes longer and the steps run at their usual speed.
+    """
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        except (AttributeError, OSError):
+            pass
+        return super().write_data(plan, planner)
 
 
 def _candidates(path: Path, fallback: bool) -> list[Path]:

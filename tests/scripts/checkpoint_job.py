@@ -49,7 +49,7 @@ def main() -> None:
         for i, state in expected["optim"].items():
             for key, value in state.items():
                 assert torch.equal(value, got["optim"][i][key]), (i, key)
-        print(f"replica {strategy.replica_id} of {strategy.num_replicas_in_sync}: restored identical state", flush=True)
+        print(f"{type(strategy).__name__} replica {strategy.replica_id} of {strategy.num_replicas_in_sync}: restored identical state", flush=True)
     strategy.shutdown()
 
 
