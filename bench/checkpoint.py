@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.workloads import RESULTS, save  # noqa: E402
+from bench.workloads import save  # noqa: E402
 
 import loom  # noqa: E402
 from loom.checkpoint import Checkpointer  # noqa: E402
@@ -83,7 +83,7 @@ def one_process(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
             fsync_tree(plain)
 
     def loom_save(durable: bool) -> None:
-        Checkpointer("OneDeviceStrategy", durable=durable).save(work / "loom", 1, {"model": model, "optimizer": opt}, keep=1)
+        Checkpointer("OneDeviceStrategy").save(work / "loom", 1, {"model": model, "optimizer": opt}, keep=1, durable=durable)
 
     def torch_load() -> None:
         state = torch.load(plain, weights_only=True)

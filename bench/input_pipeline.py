@@ -154,7 +154,7 @@ def tf_data(folder: Path, batch: int, step_seconds: float) -> dict[str, Any]:
     if not TF_PYTHON.exists():
         return {"name": "tf.data", "skipped": f"TensorFlow is not installed in {TF_PYTHON.parent.parent} (make bench-tf)"}
     script = Path(__file__).with_name("tf_input_pipeline.py")
-    args = [str(TF_PYTHON), str(script), str(folder), str(batch), str(step_seconds), str(SIZE), str(CROP)]
+    args = [str(TF_PYTHON), str(script), str(folder), str(batch), str(step_seconds), str(CROP)]
     done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     if done.returncode:
         return {"name": "tf.data", "skipped": f"tf.data run failed: {done.stderr.strip().splitlines()[-1:]}"}

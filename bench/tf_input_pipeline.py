@@ -1,6 +1,6 @@
 """tf.data on the benchmark's PNGs; run by bench/input_pipeline.py with .venv-tf's Python.
 
-    .venv-tf/bin/python bench/tf_input_pipeline.py FOLDER BATCH STEP_SECONDS SIZE CROP
+    .venv-tf/bin/python bench/tf_input_pipeline.py FOLDER BATCH STEP_SECONDS CROP
 
 The same work as the loom and DataLoader runs: read, decode, random crop, random flip,
 normalize; parallel map and prefetch left to AUTOTUNE. Prints one JSON line.
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 
 def main() -> None:
-    folder, batch, step_seconds, size, crop = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+    folder, batch, step_seconds, crop = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
     classes = sorted(p.split("/")[-1] for p in tf.io.gfile.glob(f"{folder}/class*"))
     mean = tf.constant([0.49, 0.48, 0.45])
     std = tf.constant([0.25, 0.24, 0.26])

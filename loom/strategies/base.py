@@ -217,16 +217,19 @@ class Strategy(ABC):
         return self._connection.guard() if self._connection is not None else nullcontext()
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self, directory: str | Path, *, step: int, keep: int = 3, async_save: bool = False, **state: Any) -> Path:
+    def save(
+        self, directory: str | Path, *, step: int, keep: int = 3, async_save: bool = False, durable: bool = True, **state: Any
+    ) -> Path:
         """Save ``state`` as ``directory/step-<step>``; every replica calls it at the same step.
 
         ``state`` names what to keep: models, optimizers, anything with ``state_dict`` (the
         loader from ``distribute``, LR schedulers), tensors and JSON values. Restorable under
         any strategy and number of replicas; see ``loom.checkpoint``. The last ``keep``
         checkpoints are kept. With ``async_save`` training goes on while it is written.
+        ``durable`` fsyncs every file before the commit, so a machine that loses power keeps it too.
         """
         with self._guard():
-            return self._checkpointer.save(directory, step, _unwrapped(state), keep, async_save)
+            return self._checkpointer.save(directory, step, _unwrapped(state), keep, async_save, durable)
 
     def restore(self, directory: str | Path, *, fallback: bool = False, **state: Any) -> dict[str, Any] | None:
         """Load the newest complete checkpoint under ``directory`` into ``state``'s objects, in place.

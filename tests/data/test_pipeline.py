@@ -1,6 +1,5 @@
 """loom.data pipelines: exactly-once sharding, resuming, order, caching, errors, the verdict."""
 
-import itertools
 import time
 
 import numpy as np

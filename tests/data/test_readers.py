@@ -238,7 +238,7 @@ def test_image_folder_lengths_and_reads(image_folder):
     source = ImageFolderSource(root)
     assert source.classes == ["cat", "dog"] and source.lengths() == [5]
     assert [p for p, _ in source.samples] == [e[0] for e in expected]
-    for i, (_, array, png, label) in enumerate(expected):
+    for i, (_, array, _, label) in enumerate(expected):
         image, got_label = source.read(0, i)
         assert image.dtype == torch.uint8 and torch.equal(image, torch.from_numpy(array).permute(2, 0, 1))
         assert got_label == label
