@@ -1,0 +1,56 @@
+"""A worker's connection to one parameter server: token, deadlines, retries, a clear error.
+
+Transient failures (the server is restarting, a connection dropped) are retried with
+backoff until ``patience`` runs out; then the error names the server, so a worker says which
+server it lost instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import torch
+
+from loom.errors import LoomError
+from loom.strategies.parameter_server.server import CHANNEL_OPTIONS, METHOD, SERVICE, TOKEN_KEY
+from loom.strategies.parameter_server.wire import decode, encode
+
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+class ServerUnavailableError(LoomError):
+    """A parameter server did not answer within the worker's patience."""
+
+
+class ServerClient:
+    def __init__(self, address: str, token: str, deadline: float = 30.0, patience: float = 60.0) -> None:
+        self.address = address
+        self.token = token
+        self.deadline = deadline
+        self.patience = patience
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._call = self._channel.unary_unary(f"/{SERVICE}/{METHOD}")
+
+    def call(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        request = encode(fields, tensors)
+        give_up, wait = time.monotonic() + self.patience, 0.05
+        while True:
+            try:
+                reply = self._call(request, timeout=self.deadline, metadata=((TOKEN_KEY, self.token),))
+                return decode(reply)
+            except grpc.RpcError as error:
+                code = error.code()
+                if code not in RETRYABLE:
+                    raise LoomError(f"parameter server {self.address} refused {fields.get('op')}: {error.details()}") from error
+                if time.monotonic() + wait > give_up:
+                    raise ServerUnavailableError(
+                        f"parameter server {self.address} did not answer for {self.patience:g}s ({code.name}); "
+                        "it died or is unreachable: restart it from its checkpoint, or check the network"
+                    ) from error
+                time.sleep(wait)
+                wait = min(wait * 2, 2.0)
+
+    def close(self) -> None:
+        self._channel.close()

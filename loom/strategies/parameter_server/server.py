@@ -1,0 +1,128 @@
+"""A parameter server: holds its share of the variables, applies pushed gradients, serves pulls.
+
+It runs a gRPC server (``grpcio``: deadlines, retries, metadata) with one generic method that
+carries ``loom.strategies.parameter_server.wire`` messages. Every call must carry the job's
+token in its metadata; anything else is refused before it is read. A push carries the
+worker's name and a sequence number, so a retried push is applied once; each push is
+applied whole, under the locks of the variables it touches.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+
+from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.wire import WireError, decode, encode
+
+SERVICE, METHOD = "loom.ParameterServer", "Call"
+TOKEN_KEY = "loom-token"
+MESSAGE_LIMIT = 256 << 20
+CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+
+
+class ParameterServer:
+    """Dense variables and row blocks of embedding tables, with the optimizer that updates them."""
+
+    def __init__(self, dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], optimizer: ServerOptimizer, token: str) -> None:
+        self.dense = dense
+        self.tables = tables
+        self.optimizer = optimizer
+        self.token = token
+        self.applied: dict[str, int] = {}  # worker -> pushes applied
+        self._last_seq: dict[str, int] = {}
+        self._locks = {name: threading.Lock() for name in [*dense, *tables]}
+        self._seq_lock = threading.Lock()
+        self._server: grpc.Server | None = None
+
+    # ---- requests ------------------------------------------------------------------------------
+    def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        op = fields.get("op")
+        if op == "pull":
+            return {}, {name: self._read(name) for name in fields["names"]}
+        if op == "pull_rows":
+            table = fields["table"]
+            with self._locks[table]:
+                return {}, {"rows": self.tables[table][tensors["ids"]].clone()}
+        if op == "push":
+            return {"applied": self._push(fields["worker"], fields["seq"], tensors)}, {}
+        if op == "stats":
+            return {"applied": dict(self.applied)}, {}
+        raise WireError(f"unknown operation {op!r}")
+
+    def _read(self, name: str) -> torch.Tensor:
+        with self._locks[name]:
+            return self.dense[name].clone()
+
+    def _push(self, worker: str, seq: int, tensors: dict[str, torch.Tensor]) -> bool:
+        """Apply one push once: a retry of a push already applied is acknowledged and ignored.
+
+        Everything is checked before anything is applied, so a bad push changes nothing.
+        """
+        self._check(tensors)
+        with self._seq_lock:
+            if seq <= self._last_seq.get(worker, -1):
+                return False
+            self._last_seq[worker] = seq
+        names = sorted({key.split("/", 1)[1] for key in tensors})
+        held = [self._locks[name] for name in names]  # sorted order: no two pushes deadlock
+        for lock in held:
+            lock.acquire()
+        try:
+            for key, value in tensors.items():
+                kind, name = key.split("/", 1)
+                if kind == "grad":
+                    self.optimizer.apply_dense(name, self.dense[name], value)
+                elif kind == "rowgrad":
+                    self.optimizer.apply_rows(name, self.tables[name], tensors[f"rowids/{name}"], value)
+        finally:
+            for lock in held:
+                lock.release()
+        with self._seq_lock:
+            self.applied[worker] = self.applied.get(worker, 0) + 1
+        return True
+
+    def _check(self, tensors: dict[str, torch.Tensor]) -> None:
+        for key, value in tensors.items():
+            kind, _, name = key.partition("/")
+            if kind == "grad" and (name not in self.dense or value.shape != self.dense[name].shape):
+                raise WireError(f"gradient '{name}' {list(value.shape)} matches no variable here")
+            if kind == "rowgrad":
+                ids = tensors.get(f"rowids/{name}")
+                table = self.tables.get(name)
+                if table is None or ids is None or value.shape != (len(ids), *table.shape[1:]):
+                    raise WireError(f"row gradient '{name}' {list(value.shape)} matches no table rows here")
+                if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= len(table)):
+                    raise WireError(f"row ids of '{name}' outside this server's {len(table)} rows")
+            elif kind not in ("grad", "rowids"):
+                raise WireError(f"unknown tensor '{key}' in a push")
+
+    # ---- serving -------------------------------------------------------------------------------
+    def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        if dict(context.invocation_metadata()).get(TOKEN_KEY) != self.token:
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")
+        try:
+            fields, tensors = decode(request)
+            reply_fields, reply_tensors = self.handle(fields, tensors)
+        except (WireError, KeyError, IndexError) as error:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
+        return encode(reply_fields, reply_tensors)
+
+    def serve(self, port: int, host: str = "127.0.0.1", threads: int = 4) -> int:
+        """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port."""
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=CHANNEL_OPTIONS)
+        handler = grpc.method_handlers_generic_handler(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._call)})
+        self._server.add_generic_rpc_handlers((handler,))
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen on {host}:{port} (in use?)")
+        self._server.start()
+        return bound
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=1).wait()

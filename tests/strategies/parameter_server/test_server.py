@@ -1,0 +1,87 @@
+"""A parameter server over gRPC: pulls, pushes applied once and whole, tokens, lost servers."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from loom.errors import LoomError
+from loom.strategies.parameter_server.client import ServerClient, ServerUnavailableError
+from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.server import ParameterServer
+from tests.helpers import free_port
+
+
+@pytest.fixture
+def served():
+    server = ParameterServer({"w": torch.ones(2, 3)}, {"emb": torch.zeros(5, 4)}, ServerOptimizer("sgd", lr=0.5), token="secret")
+    port = server.serve(free_port())
+    client = ServerClient(f"127.0.0.1:{port}", "secret", patience=2)
+    yield server, client, port
+    client.close()
+    server.stop()
+
+
+def test_pull_push_and_rows(served):
+    server, client, _ = served
+    _, pulled = client.call({"op": "pull", "names": ["w"]})
+    assert torch.equal(pulled["w"], torch.ones(2, 3))
+    push = {"grad/w": torch.full((2, 3), 2.0), "rowids/emb": torch.tensor([1, 3, 1]), "rowgrad/emb": torch.ones(3, 4)}
+    assert client.call({"op": "push", "worker": "w0", "seq": 0}, push)[0] == {"applied": True}
+    assert torch.equal(server.dense["w"], torch.zeros(2, 3))  # 1 - 0.5 * 2
+    _, rows = client.call({"op": "pull_rows", "table": "emb"}, {"ids": torch.tensor([1, 3, 0])})
+    assert rows["rows"][:, 0].tolist() == [-1.0, -0.5, 0.0]  # row 1 pushed twice: gradients summed
+
+
+def test_a_retried_push_is_applied_once(served):
+    server, client, _ = served
+    push = {"grad/w": torch.ones(2, 3)}
+    for _ in range(3):  # the same sequence number: a retry after a lost reply
+        client.call({"op": "push", "worker": "w0", "seq": 5}, push)
+    client.call({"op": "push", "worker": "w1", "seq": 0}, push)
+    assert client.call({"op": "stats"})[0]["applied"] == {"w0": 1, "w1": 1}
+    assert torch.equal(server.dense["w"], torch.zeros(2, 3))  # 1 - 2 * 0.5
+
+
+def test_a_bad_push_changes_nothing(served):
+    server, client, _ = served
+    bad = {"grad/w": torch.ones(2, 3), "rowids/emb": torch.tensor([9]), "rowgrad/emb": torch.ones(1, 4)}
+    with pytest.raises(LoomError, match=r"refused push: bad request: row ids of 'emb' outside this server's 5 rows"):
+        client.call({"op": "push", "worker": "w0", "seq": 0}, bad)
+    assert torch.equal(server.dense["w"], torch.ones(2, 3))
+    assert client.call({"op": "stats"})[0]["applied"] == {}
+
+
+def test_a_process_without_the_token_is_refused(served):
+    _, _, port = served
+    stranger = ServerClient(f"127.0.0.1:{port}", "guess", patience=1)
+    with pytest.raises(LoomError, match="refused pull: not a member of this job"):
+        stranger.call({"op": "pull", "names": ["w"]})
+    stranger.close()
+
+
+def test_a_missing_server_is_named_once_patience_runs_out():
+    port = free_port()
+    client = ServerClient(f"127.0.0.1:{port}", "secret", deadline=0.5, patience=1.5)
+    start = time.monotonic()
+    with pytest.raises(ServerUnavailableError, match=f"parameter server 127.0.0.1:{port} did not answer for 1.5s"):
+        client.call({"op": "pull", "names": ["w"]})
+    assert time.monotonic() - start < 5
+    client.close()
+
+
+def test_a_restarted_server_is_waited_for():
+    port = free_port()
+    client = ServerClient(f"127.0.0.1:{port}", "secret", deadline=1, patience=20)
+
+    def start_later():
+        time.sleep(1.0)
+        late.serve(port)
+
+    late = ParameterServer({"w": torch.ones(1)}, {}, ServerOptimizer(), token="secret")
+    threading.Thread(target=start_later).start()
+    _, pulled = client.call({"op": "pull", "names": ["w"]})
+    assert torch.equal(pulled["w"], torch.ones(1))
+    client.close()
+    late.stop()
