@@ -8,11 +8,13 @@ from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
+from loom.strategies.parameter_server import ParameterServerStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
+    "parameter_server": ParameterServerStrategy,
 }
 
 
@@ -39,6 +41,7 @@ __all__ = [
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
+    "ParameterServerStrategy",
     "Strategy",
     "auto_strategy",
     "get_strategy",

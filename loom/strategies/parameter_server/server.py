@@ -28,20 +28,32 @@ CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_r
 class ParameterServer:
     """Dense variables and row blocks of embedding tables, with the optimizer that updates them."""
 
-    def __init__(self, dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], optimizer: ServerOptimizer, token: str) -> None:
-        self.dense = dense
-        self.tables = tables
-        self.optimizer = optimizer
+    def __init__(
+        self,
+        token: str,
+        dense: dict[str, torch.Tensor] | None = None,
+        tables: dict[str, torch.Tensor] | None = None,
+        optimizer: ServerOptimizer | None = None,
+    ) -> None:
+        """Empty until the chief's ``create`` (or given variables, as a restore does)."""
         self.token = token
+        self.dense = dense or {}
+        self.tables = tables or {}
+        self.optimizer = optimizer or ServerOptimizer()
+        self.created = bool(self.dense or self.tables)
         self.applied: dict[str, int] = {}  # worker -> pushes applied
         self._last_seq: dict[str, int] = {}
-        self._locks = {name: threading.Lock() for name in [*dense, *tables]}
+        self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
         self._server: grpc.Server | None = None
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         op = fields.get("op")
+        if op == "create":
+            return {"created": self._create(fields["optimizer"], tensors)}, {}
+        if op == "ready":
+            return {"ready": self.created}, {}
         if op == "pull":
             return {}, {name: self._read(name) for name in fields["names"]}
         if op == "pull_rows":
@@ -53,6 +65,19 @@ class ParameterServer:
         if op == "stats":
             return {"applied": dict(self.applied)}, {}
         raise WireError(f"unknown operation {op!r}")
+
+    def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        """Take the chief's initial values, once: a chief that restarts finds the trained ones kept."""
+        with self._seq_lock:
+            if self.created:
+                return False
+            for key, value in tensors.items():
+                kind, name = key.split("/", 1)
+                (self.dense if kind == "dense" else self.tables)[name] = value.clone()
+                self._locks[name] = threading.Lock()
+            self.optimizer = ServerOptimizer(**optimizer)
+            self.created = True
+            return True
 
     def _read(self, name: str) -> torch.Tensor:
         with self._locks[name]:

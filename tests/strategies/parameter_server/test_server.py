@@ -15,7 +15,7 @@ from tests.helpers import free_port
 
 @pytest.fixture
 def served():
-    server = ParameterServer({"w": torch.ones(2, 3)}, {"emb": torch.zeros(5, 4)}, ServerOptimizer("sgd", lr=0.5), token="secret")
+    server = ParameterServer("secret", {"w": torch.ones(2, 3)}, {"emb": torch.zeros(5, 4)}, ServerOptimizer("sgd", lr=0.5))
     port = server.serve(free_port())
     client = ServerClient(f"127.0.0.1:{port}", "secret", patience=2)
     yield server, client, port
@@ -79,7 +79,7 @@ def test_a_restarted_server_is_waited_for():
         time.sleep(1.0)
         late.serve(port)
 
-    late = ParameterServer({"w": torch.ones(1)}, {}, ServerOptimizer(), token="secret")
+    late = ParameterServer("secret", {"w": torch.ones(1)})
     threading.Thread(target=start_later).start()
     _, pulled = client.call({"op": "pull", "names": ["w"]})
     assert torch.equal(pulled["w"], torch.ones(1))

@@ -1,0 +1,187 @@
+"""ParameterServerStrategy: asynchronous data parallelism with variables on parameter servers.
+
+Each worker runs the user's usual loop. ``prepare`` swaps embedding tables for remote ones
+and has the chief create every variable on the servers; a forward pass pulls only the rows
+its batch touches; ``optimizer.step()`` pushes the gradients (rows only, for tables) and
+pulls the latest dense parameters. Workers never wait for each other: a slow or lost worker
+does not hold the rest back.
+
+Status: the worker side of one job. Starting servers and roles from ``loom run``, bounded
+staleness, fault tolerance and visibility are the next steps of issue 5.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.strategies.base import OptimizerFactory, Strategy
+from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.partitioner import place
+from loom.strategies.parameter_server.variables import ShardedVariables
+
+EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+class RemoteEmbedding(nn.Module):
+    """An embedding table that lives on the servers; forward pulls only the rows it needs."""
+
+    def __init__(self, name: str, local: nn.Embedding | nn.EmbeddingBag, variables: ShardedVariables) -> None:
+        super().__init__()
+        self.name = name
+        self.bag = isinstance(local, nn.EmbeddingBag)
+        self.mode = getattr(local, "mode", None)
+        self.variables = variables
+        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
+
+    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        unique, local_ids = torch.unique(ids, return_inverse=True)
+        rows = self.variables.pull_rows(self.name, unique).requires_grad_()
+        self.touched.append((unique, rows))
+        if self.bag:
+            return F.embedding_bag(local_ids, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
+        return F.embedding(local_ids, rows)
+
+    def row_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's row ids and their gradients, summed over forward passes."""
+        parts = [(ids, rows.grad) for ids, rows in self.touched if rows.grad is not None]
+        self.touched = []
+        if not parts:
+            return None
+        return torch.cat([ids for ids, _ in parts]), torch.cat([g for _, g in parts])
+
+
+class ParameterServerOptimizer(torch.optim.Optimizer):
+    """``step()`` pushes this worker's gradients and pulls the newest dense parameters.
+
+    The rule (SGD, momentum, Adagrad, Adam) runs on the servers, taken from the optimizer the
+    user built, so the training loop does not change.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, model: nn.Module, variables: ShardedVariables) -> None:
+        self.optimizer = inner
+        self.model = model
+        self.variables = variables
+        self.dense = {n: p for n, p in model.named_parameters()}
+        self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding)}
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
+        rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
+        self.variables.push(dense, rows)
+        for name, value in self.variables.pull_dense(list(self.dense)).items():
+            self.dense[name].copy_(value)
+
+
+class ParameterServerStrategy(Strategy):
+    """Workers that train on their own data and meet only at the parameter servers."""
+
+    def __init__(
+        self,
+        servers: Sequence[str] | None = None,
+        token: str | None = None,
+        worker: int | None = None,
+        num_workers: int | None = None,
+        precision: str = "32",
+        timeout: float | None = None,
+    ) -> None:
+        super().__init__(precision, timeout)
+        servers = servers or [a for a in os.environ.get("LOOM_PS_SERVERS", "").split(",") if a]
+        if not servers:
+            raise ValueError("ParameterServerStrategy needs the servers' addresses: servers=[...] or LOOM_PS_SERVERS")
+        self.servers = list(servers)
+        self.token = token or os.environ.get("LOOM_PS_TOKEN", "")
+        self.worker = int(os.environ.get("LOOM_PS_WORKER", "0")) if worker is None else worker
+        self.num_workers = int(os.environ.get("LOOM_PS_WORKERS", "1")) if num_workers is None else num_workers
+        self.variables: ShardedVariables | None = None
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self.num_workers  # workers split the data; their updates are not in sync
+
+    @property
+    def replica_id(self) -> int:
+        return self.worker
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        tables = {n: m for n, m in model.named_modules() if isinstance(m, EMBEDDINGS)}
+        table_params = {f"{n}.weight" for n in tables}
+        dense = {n: p.detach() for n, p in model.named_parameters() if n not in table_params}
+        placement = place(
+            {n: t.numel() * t.element_size() for n, t in dense.items()},
+            {n: (m.num_embeddings, m.embedding_dim * m.weight.element_size()) for n, m in tables.items()},
+            len(self.servers),
+        )
+        clients = [ServerClient(a, self.token) for a in self.servers]
+        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}")
+        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
+        if self.is_chief:
+            self.variables.create(dense, {n: m.weight.detach() for n, m in tables.items()}, server_rule(inner))
+        else:
+            self._wait_until_created(clients)
+        for name, module in tables.items():
+            _replace(model, name, RemoteEmbedding(name, module, self.variables))
+        opt = ParameterServerOptimizer(inner, model, self.variables)
+        for name, value in self.variables.pull_dense(list(opt.dense)).items():
+            opt.dense[name].data.copy_(value)
+        return model, opt
+
+    def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
+        for client in clients:
+            while not client.call({"op": "ready"})[0]["ready"]:
+                time.sleep(0.1)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def reduce(self, value: Any, op: str = "mean") -> Any:
+        return value  # asynchronous workers have no collective: each reports its own
+
+    def barrier(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        if self.variables is not None:
+            self.variables.close()
+
+
+def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The server-side update rule equal to a torch optimizer the user built."""
+    group = optimizer.param_groups[0]
+    if isinstance(optimizer, torch.optim.SGD):
+        if group.get("momentum"):
+            return {"name": "momentum", "lr": group["lr"], "momentum": group["momentum"]}
+        return {"name": "sgd", "lr": group["lr"]}
+    if isinstance(optimizer, torch.optim.Adagrad):
+        return {"name": "adagrad", "lr": group["lr"], "eps": group["eps"], "initial_accumulator": group["initial_accumulator_value"]}
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.SparseAdam)):
+        return {"name": "adam", "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"]}
+    raise ValueError(
+        f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (with or without momentum), Adagrad or Adam"
+    )
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)

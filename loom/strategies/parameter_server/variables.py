@@ -1,0 +1,92 @@
+"""A worker's view of the variables spread over the servers: create, pull, push.
+
+Pulls and pushes fan out to the servers in parallel (one thread per server), each server
+getting only its share: its dense parameters, and for a table the rows in its range.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.partitioner import Placement
+
+
+class ShardedVariables:
+    def __init__(self, clients: list[ServerClient], placement: Placement, worker: str) -> None:
+        self.clients = clients
+        self.placement = placement
+        self.worker = worker
+        self.seq = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
+
+    def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
+        futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
+        replies = {s: f.result() for s, f in futures.items()}
+        for s, (fields, tensors) in requests.items():
+            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
+        for _, tensors in replies.values():
+            self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
+        return replies
+
+    def create(self, dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
+        """The chief's first act: every server gets its variables' initial values and the update rule."""
+        requests = {}
+        for s in range(len(self.clients)):
+            tensors = {f"dense/{n}": t for n, t in dense.items() if self.placement.dense[n] == s}
+            for name, table in tables.items():
+                lo, hi = self.placement.row_bounds[name][s : s + 2]
+                tensors[f"table/{name}"] = table[lo:hi]
+            requests[s] = ({"op": "create", "optimizer": optimizer}, tensors)
+        self._fan_out(requests)
+
+    def pull_dense(self, names: list[str]) -> dict[str, torch.Tensor]:
+        requests = {}
+        for name in names:
+            requests.setdefault(self.placement.dense[name], ({"op": "pull", "names": []}, {}))[0]["names"].append(name)
+        out: dict[str, torch.Tensor] = {}
+        for _, tensors in self._fan_out(requests).values():
+            out.update(tensors)
+        return out
+
+    def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of ``table`` (ids unique), each from the server holding it."""
+        parts = self.placement.rows_by_server(table, ids)
+        requests = {s: ({"op": "pull_rows", "table": table}, {"ids": local}) for s, (_, local) in enumerate(parts) if len(local)}
+        replies = self._fan_out(requests)
+        rows = None
+        for s, (positions, _) in enumerate(parts):
+            if s in replies:
+                got = replies[s][1]["rows"]
+                if rows is None:
+                    rows = torch.empty(len(ids), *got.shape[1:], dtype=got.dtype)
+                rows[positions] = got
+        assert rows is not None
+        return rows
+
+    def push(self, dense_grads: dict[str, torch.Tensor], row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """One step's gradients: each server gets its share, tagged so that a retry applies once."""
+        requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+
+        def share(server: int) -> dict[str, torch.Tensor]:
+            return requests.setdefault(server, ({"op": "push", "worker": self.worker, "seq": self.seq}, {}))[1]
+
+        for name, grad in dense_grads.items():
+            share(self.placement.dense[name])[f"grad/{name}"] = grad
+        for name, (ids, grads) in row_grads.items():
+            for s, (positions, local) in enumerate(self.placement.rows_by_server(name, ids)):
+                if len(local):
+                    share(s)[f"rowids/{name}"] = local
+                    share(s)[f"rowgrad/{name}"] = grads[positions]
+        self._fan_out(requests)
+        self.seq += 1
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        for client in self.clients:
+            client.close()

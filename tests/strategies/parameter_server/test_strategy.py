@@ -1,0 +1,94 @@
+"""ParameterServerStrategy: one worker equals local training; several workers train on their own."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from tests.helpers import free_port
+
+
+class Clicks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(50, 8, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, ids):
+        return self.mlp(self.bag(ids)).squeeze(1)
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(0, 50, (16, 5), generator=g)
+        yield ids, (ids % 7 == 0).any(1).float()
+
+
+@pytest.fixture
+def servers():
+    started = [ParameterServer("job-token") for _ in range(2)]
+    addresses = [f"127.0.0.1:{s.serve(free_port())}" for s in started]
+    yield addresses
+    for s in started:
+        s.stop()
+
+
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)])
+def test_one_worker_on_two_servers_equals_local_training(servers, make_opt):
+    """For SGD and Adagrad the servers' lazy row updates equal dense ones (untouched rows stay put).
+
+    Adam and momentum differ by design on rows a batch did not touch (lazy, as SparseAdam); their
+    rules are compared with torch's in test_parts.py.
+    """
+    local = Clicks()
+    local_opt = make_opt(local.parameters())
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    remote, opt = strategy.prepare(Clicks(), make_opt)
+    for ids, y in batches(15):
+        for model, optimizer in ((local, local_opt), (remote, opt)):
+            F.binary_cross_entropy_with_logits(model(ids), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for name, p in local.mlp.named_parameters():
+        torch.testing.assert_close(dict(remote.mlp.named_parameters())[name].detach(), p.detach(), rtol=1e-5, atol=1e-6)
+    table = strategy.variables.pull_rows("bag", torch.arange(50))
+    torch.testing.assert_close(table, local.bag.weight.detach(), rtol=1e-5, atol=1e-6)
+    strategy.shutdown()
+
+
+def test_two_workers_train_on_their_own_and_the_loss_falls(servers):
+    losses = {}
+
+    def work(worker):
+        strategy = ParameterServerStrategy(servers, token="job-token", worker=worker, num_workers=2)
+        model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.Adam(p, lr=0.05))
+        seen = []
+        for ids, y in batches(60, seed=worker):
+            loss = F.binary_cross_entropy_with_logits(model(ids), y)
+            strategy.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            seen.append(loss.item())
+        losses[worker] = seen
+        strategy.shutdown()
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    for worker, seen in losses.items():
+        assert sum(seen[-10:]) < 0.7 * sum(seen[:10]), f"worker {worker}: {seen[:3]} ... {seen[-3:]}"
+    assert len(losses) == 2
+
+
+def test_optimizers_the_servers_cannot_run_are_named(servers):
+    strategy = ParameterServerStrategy(servers, token="job-token")
+    with pytest.raises(ValueError, match="RMSprop cannot run on the parameter servers; use SGD"):
+        strategy.prepare(Clicks(), lambda p: torch.optim.RMSprop(p))
