@@ -15,6 +15,7 @@ from loom.cluster import TorchrunEnvironment
 from loom.comm.process_group import default_backend, resolve_timeout
 from loom.devices import available_cores, cuda_count
 from loom.errors import LoomError
+from loom.launch.parameter_server import run_parameter_server_job
 from loom.launch.torchrun import LaunchOptions, run_job
 
 
@@ -41,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a training script as a job of one process per replica")
     _add_launch_options(run)
     run.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name, like python -m")
+    run.add_argument("--ps", type=int, help="start this many parameter servers (asynchronous training; with --workers)")
+    run.add_argument("--workers", type=int, help="parameter-server workers, each restarted alone on failure (with --ps)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
+        if args.ps is not None or args.workers is not None:
+            return run_parameter_server_job(entry, args.ps or 0, args.workers or 0, opts.max_restarts)
         return run_job(entry, opts)
     except LoomError as exc:
         print(f"loom: error: {exc}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from loom.cluster import TorchrunEnvironment
@@ -28,7 +29,12 @@ def get_strategy(name: str, **options: Any) -> Strategy:
 
 
 def auto_strategy(**options: Any) -> Strategy:
-    """What a job started this way needs: one device alone, Mirrored on one node, else multi-worker."""
+    """What a job started this way needs: one device alone, Mirrored on one node, else multi-worker.
+
+    A worker that ``loom run --ps N --workers M`` started gets ParameterServerStrategy.
+    """
+    if os.environ.get("LOOM_PS_SERVERS"):
+        return ParameterServerStrategy(**options)
     if not TorchrunEnvironment.detect() or TorchrunEnvironment.resolve().world_size == 1:
         return OneDeviceStrategy(**options)
     if TorchrunEnvironment.resolve().nnodes == 1:

@@ -134,7 +134,8 @@ class ParameterServerStrategy(Strategy):
             len(self.servers),
         )
         clients = [ServerClient(a, self.token) for a in self.servers]
-        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}")
+        # One name per process: a restarted worker's pushes start again at sequence 0.
+        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}.{os.getpid()}")
         inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
         if self.is_chief:
             self.variables.create(dense, {n: m.weight.detach() for n, m in tables.items()}, server_rule(inner))

@@ -28,7 +28,7 @@ class ShardedVariables:
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
         replies = {s: f.result() for s, f in futures.items()}
-        for s, (fields, tensors) in requests.items():
+        for _, tensors in requests.values():
             self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
         for _, tensors in replies.values():
             self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())

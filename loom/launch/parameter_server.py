@@ -1,0 +1,81 @@
+"""``loom run --ps N --workers M``: parameter servers and independent workers on this machine.
+
+The workers are not one torchrun group: in asynchronous training a worker that dies must not
+stop the others. Each is a process of its own, restarted on failure up to ``--max-restarts``
+times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
+The servers listen on loopback, and every request carries a token made for this job.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+from loom.devices import available_cores
+from loom.errors import LaunchError
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_parameter_server_job(entry: list[str], servers: int, workers: int, max_restarts: int = 0) -> int:
+    """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers."""
+    if servers < 1 or workers < 1:
+        raise LaunchError(f"a parameter-server job needs at least one server and one worker (got --ps {servers} --workers {workers})")
+    threads = str(max(1, available_cores() // workers))
+    env = {**os.environ, "LOOM_PS_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": threads, "LOOM_THREADS": threads}
+    ports = [_free_port() for _ in range(servers)]
+    server_procs = [
+        subprocess.Popen([sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(p), "--index", str(i)], env=env)
+        for i, p in enumerate(ports)
+    ]
+    env["LOOM_PS_SERVERS"] = ",".join(f"127.0.0.1:{p}" for p in ports)
+    env["LOOM_PS_WORKERS"] = str(workers)
+
+    def start(worker: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "loom.launch.worker", *entry], env={**env, "LOOM_PS_WORKER": str(worker)})
+
+    running = {w: start(w) for w in range(workers)}
+    restarts = dict.fromkeys(running, 0)
+    failed: dict[int, int] = {}
+    try:
+        while running:
+            time.sleep(0.2)
+            for i, proc in enumerate(server_procs):
+                if proc.poll() is not None:
+                    print(f"loom: job failed: parameter server {i} (127.0.0.1:{ports[i]}, pid {proc.pid}) exited with code {proc.returncode}", file=sys.stderr, flush=True)  # fmt: skip
+                    return 1
+            for worker, proc in list(running.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del running[worker]
+                if code == 0:
+                    continue
+                if restarts[worker] < max_restarts:
+                    restarts[worker] += 1
+                    print(f"loom: worker {worker} (pid {proc.pid}) exited with code {code}; restarting it ({restarts[worker]} of {max_restarts}), the others go on", file=sys.stderr, flush=True)  # fmt: skip
+                    running[worker] = start(worker)
+                else:
+                    failed[worker] = code
+    finally:
+        for proc in [*running.values(), *server_procs]:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in [*running.values(), *server_procs]:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    if failed:
+        listed = ", ".join(f"worker {w} (code {c})" for w, c in sorted(failed.items()))
+        print(f"loom: job finished with failures: {listed}; the other workers completed", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -1,0 +1,58 @@
+"""A worker of a parameter-server job: train a small click model, log each step.
+
+    ps_train.py OUT STEPS
+
+Each worker appends "<worker> <pid> <step>" to OUT.progress after every step; the chief,
+when done, waits for the others' files and writes the servers' update counts to OUT.stats.
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+
+
+class Clicks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(1000, 8, mode="sum")
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def forward(self, ids):
+        return self.mlp(self.bag(ids)).squeeze(1)
+
+
+def main() -> None:
+    out, steps = sys.argv[1], int(sys.argv[2])
+    strategy = loom.auto_strategy()
+    model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.Adagrad(p, lr=0.1))
+    g = torch.Generator().manual_seed(strategy.replica_id)
+    for step in range(1, steps + 1):
+        ids = torch.randint(0, 1000, (32, 5), generator=g)
+        loss = F.binary_cross_entropy_with_logits(model(ids), (ids % 7 == 0).any(1).float())
+        strategy.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        with open(f"{out}.progress", "a") as f:
+            f.write(f"{strategy.replica_id} {os.getpid()} {step}\n")
+        time.sleep(0.02)
+    with open(f"{out}.done.{strategy.replica_id}", "w") as f:
+        f.write(str(os.getpid()))
+    if strategy.is_chief:
+        while not all(os.path.exists(f"{out}.done.{w}") for w in range(strategy.num_replicas_in_sync)):
+            time.sleep(0.1)
+        stats = [c.call({"op": "stats"})[0]["applied"] for c in strategy.variables.clients]
+        with open(f"{out}.stats", "w") as f:
+            json.dump(stats, f)
+    strategy.shutdown()
+
+
+if __name__ == "__main__":
+    main()
