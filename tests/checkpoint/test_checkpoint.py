@@ -177,3 +177,31 @@ def test_inspect_of_a_directory_without_checkpoints_says_so(tmp_path):
     run = loom_run(["checkpoint", "inspect", str(tmp_path)])
     assert run.returncode == 2
     assert f"loom: error: {tmp_path}: no complete checkpoint here" in run.stderr
+
+
+def test_a_parameter_server_checkpoint_restores_into_mirrored(tmp_path):
+    """ParameterServerStrategy joins the matrix: the chief's checkpoint restores under Mirrored."""
+    import torch.nn.functional as F
+
+    from loom.strategies.parameter_server import ParameterServer, ParameterServerStrategy
+    from tests.helpers import free_port
+    from tests.scripts.restore_clicks import Clicks
+
+    servers = [ParameterServer("job") for _ in range(2)]
+    strategy = ParameterServerStrategy([f"127.0.0.1:{s.serve(free_port())}" for s in servers], token="job")
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.Adagrad(p, lr=0.1))
+    for _ in range(5):
+        ids = torch.randint(0, 50, (16, 4))
+        F.binary_cross_entropy_with_logits(model(ids), (ids % 3 == 0).any(1).float()).backward()
+        opt.step()
+        opt.zero_grad()
+    strategy.save(tmp_path / "ckpt", step=5, model=model, optimizer=opt)
+    reference = tmp_path / "reference.pt"
+    torch.save(strategy._consolidated(model).state_dict(), reference)
+    strategy.shutdown()
+    for s in servers:
+        s.stop()
+    run = loom_run(["run", "--nproc", "2", str(SCRIPTS / "restore_clicks.py"), str(tmp_path / "ckpt"), str(reference)])
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.count("MirroredStrategy replica") == 2

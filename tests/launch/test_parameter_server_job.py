@@ -1,7 +1,6 @@
 """``loom run --ps N --workers M``: servers and independent workers; a killed worker is restarted alone."""
 
 import json
-import signal
 import subprocess
 import time
 

@@ -30,6 +30,8 @@ class ServerClient:
         self.token = token
         self.deadline = deadline
         self.patience = patience
+        self.bytes_sent = 0  # message bytes, as handed to the transport
+        self.bytes_received = 0
         self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._call = self._channel.unary_unary(f"/{SERVICE}/{METHOD}")
 
@@ -39,6 +41,8 @@ class ServerClient:
         while True:
             try:
                 reply = self._call(request, timeout=self.deadline, metadata=((TOKEN_KEY, self.token),))
+                self.bytes_sent += len(request)
+                self.bytes_received += len(reply)
                 return decode(reply)
             except grpc.RpcError as error:
                 code = error.code()

@@ -12,8 +12,10 @@ staleness, fault tolerance and visibility are the next steps of issue 5.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
+from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -36,8 +38,14 @@ class RemoteEmbedding(nn.Module):
         self.name = name
         self.bag = isinstance(local, nn.EmbeddingBag)
         self.mode = getattr(local, "mode", None)
-        self.variables = variables
+        self.variables = variables  # not a submodule: a copy of the model shares it
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
+
+    def local_like(self, weight: torch.Tensor) -> nn.Module:
+        """The plain module this one replaced, holding ``weight`` (for a checkpoint)."""
+        if self.bag:
+            return nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode=self.mode)
+        return nn.Embedding.from_pretrained(weight, freeze=False)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         unique, local_ids = torch.unique(ids, return_inverse=True)
@@ -148,6 +156,33 @@ class ParameterServerStrategy(Strategy):
             opt.dense[name].data.copy_(value)
         return model, opt
 
+    def save(self, directory: str | Path, *, step: int, **options: Any) -> Path | None:  # type: ignore[override]
+        """The chief pulls every variable into a plain copy of the model and saves that.
+
+        The result is an ordinary loom checkpoint: it restores under any strategy (its
+        optimizer state stays on the servers). Other workers return None.
+        """
+        if not self.is_chief:
+            return None
+        state = {name: self._consolidated(v) if isinstance(v, nn.Module) else v for name, v in options.items()}
+        state = {k: v for k, v in state.items() if not isinstance(v, ParameterServerOptimizer)}
+        return super().save(directory, step=step, **state)
+
+    def _consolidated(self, model: nn.Module) -> nn.Module:
+        """A copy of ``model`` with the servers' current values, embedding tables in place."""
+        assert self.variables is not None
+        copy = copy_module(model)
+        for name, module in list(copy.named_modules()):
+            if isinstance(module, RemoteEmbedding):
+                rows = self.variables.placement.row_bounds[name][-1]
+                _replace(copy, name, module.local_like(self.variables.pull_rows(name, torch.arange(rows))))
+        with torch.no_grad():
+            pulled = self.variables.pull_dense(list(self.variables.placement.dense))
+            for name, parameter in copy.named_parameters():
+                if name in pulled:
+                    parameter.copy_(pulled[name])
+        return copy
+
     def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
         for client in clients:
             while not client.call({"op": "ready"})[0]["ready"]:
@@ -181,6 +216,12 @@ def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     raise ValueError(
         f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (with or without momentum), Adagrad or Adam"
     )
+
+
+def copy_module(model: nn.Module) -> nn.Module:
+    """A deep copy that shares the connection to the servers instead of copying it."""
+    memo = {id(m.variables): m.variables for m in model.modules() if isinstance(m, RemoteEmbedding)}
+    return copy.deepcopy(model, memo)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

@@ -21,18 +21,16 @@ class ShardedVariables:
         self.placement = placement
         self.worker = worker
         self.seq = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
-        replies = {s: f.result() for s, f in futures.items()}
-        for _, tensors in requests.values():
-            self.bytes_sent += sum(t.numel() * t.element_size() for t in tensors.values())
-        for _, tensors in replies.values():
-            self.bytes_received += sum(t.numel() * t.element_size() for t in tensors.values())
-        return replies
+        return {s: f.result() for s, f in futures.items()}
+
+    @property
+    def bytes_moved(self) -> int:
+        """Bytes this worker sent and received, counted at the transport."""
+        return sum(c.bytes_sent + c.bytes_received for c in self.clients)
 
     def create(self, dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
         """The chief's first act: every server gets its variables' initial values and the update rule."""
