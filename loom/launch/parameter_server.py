@@ -25,7 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_parameter_server_job(entry: list[str], servers: int, workers: int, max_restarts: int = 0) -> int:
+def run_parameter_server_job(
+    entry: list[str], servers: int, workers: int, max_restarts: int = 0, staleness: int | None = None
+) -> int:
     """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers."""
     if servers < 1 or workers < 1:
         raise LaunchError(f"a parameter-server job needs at least one server and one worker (got --ps {servers} --workers {workers})")
@@ -38,6 +40,8 @@ def run_parameter_server_job(entry: list[str], servers: int, workers: int, max_r
     ]
     env["LOOM_PS_SERVERS"] = ",".join(f"127.0.0.1:{p}" for p in ports)
     env["LOOM_PS_WORKERS"] = str(workers)
+    if staleness is not None:
+        env["LOOM_PS_STALENESS"] = str(staleness)
 
     def start(worker: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "loom.launch.worker", *entry], env={**env, "LOOM_PS_WORKER": str(worker)})

@@ -10,6 +10,7 @@ applied whole, under the locks of the variables it touches.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -41,7 +42,10 @@ class ParameterServer:
         self.tables = tables or {}
         self.optimizer = optimizer or ServerOptimizer()
         self.created = bool(self.dense or self.tables)
-        self.applied: dict[str, int] = {}  # worker -> pushes applied
+        self.applied: dict[str, int] = {}  # worker process -> pushes applied
+        self.version = 0  # pushes applied here, all workers together
+        self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
+        self.clocks: dict[int, tuple[int, float]] = {}  # worker index -> (steps done, when last heard)
         self._last_seq: dict[str, int] = {}
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
@@ -55,15 +59,18 @@ class ParameterServer:
         if op == "ready":
             return {"ready": self.created}, {}
         if op == "pull":
-            return {}, {name: self._read(name) for name in fields["names"]}
+            return {"version": self.version}, {name: self._read(name) for name in fields["names"]}
         if op == "pull_rows":
             table = fields["table"]
             with self._locks[table]:
-                return {}, {"rows": self.tables[table][tensors["ids"]].clone()}
+                return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]].clone()}
         if op == "push":
-            return {"applied": self._push(fields["worker"], fields["seq"], tensors)}, {}
+            return {"applied": self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"))}, {}
+        if op == "tick":
+            return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
         if op == "stats":
-            return {"applied": dict(self.applied)}, {}
+            clocks = {w: c for w, (c, _) in self.clocks.items()}
+            return {"applied": dict(self.applied), "version": self.version, "staleness": self.staleness, "clocks": clocks}, {}
         raise WireError(f"unknown operation {op!r}")
 
     def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
@@ -83,7 +90,21 @@ class ParameterServer:
         with self._locks[name]:
             return self.dense[name].clone()
 
-    def _push(self, worker: str, seq: int, tensors: dict[str, torch.Tensor]) -> bool:
+    def _tick(self, worker: int, clock: int, workers: int, lease: float) -> dict[str, Any]:
+        """Record a worker's progress; report the slowest live worker's (for bounded staleness).
+
+        A worker not yet heard from counts as at step 0 from the first tick on; one not heard
+        from for ``lease`` seconds is left out, so a dead or missing one holds no one back.
+        """
+        now = time.monotonic()
+        with self._seq_lock:
+            for other in range(workers):
+                self.clocks.setdefault(other, (0, now))
+            self.clocks[worker] = (clock, now)
+            live = [c for c, seen in self.clocks.values() if now - seen <= lease]
+        return {"min_clock": min(live)}
+
+    def _push(self, worker: str, seq: int, tensors: dict[str, torch.Tensor], based_on: int | None = None) -> bool:
         """Apply one push once: a retry of a push already applied is acknowledged and ignored.
 
         Everything is checked before anything is applied, so a bad push changes nothing.
@@ -109,6 +130,10 @@ class ParameterServer:
                 lock.release()
         with self._seq_lock:
             self.applied[worker] = self.applied.get(worker, 0) + 1
+            if based_on is not None:
+                stale = self.version - based_on
+                self.staleness[stale] = self.staleness.get(stale, 0) + 1
+            self.version += 1
         return True
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:

@@ -71,10 +71,21 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     user built, so the training loop does not change.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, model: nn.Module, variables: ShardedVariables) -> None:
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        model: nn.Module,
+        variables: ShardedVariables,
+        index: int,
+        workers: int,
+        staleness: int | None,
+    ) -> None:
         self.optimizer = inner
         self.model = model
         self.variables = variables
+        self.index = index
+        self.workers = workers
+        self.staleness = staleness
         self.dense = {n: p for n, p in model.named_parameters()}
         self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding)}
 
@@ -94,6 +105,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
         self.variables.push(dense, rows)
+        if self.staleness is not None:
+            self.variables.wait_for_peers(self.index, self.workers, self.staleness)
         for name, value in self.variables.pull_dense(list(self.dense)).items():
             self.dense[name].copy_(value)
 
@@ -107,9 +120,12 @@ class ParameterServerStrategy(Strategy):
         token: str | None = None,
         worker: int | None = None,
         num_workers: int | None = None,
+        staleness: int | None = None,
         precision: str = "32",
         timeout: float | None = None,
     ) -> None:
+        """``staleness``: None for fully asynchronous workers; K to keep every worker within K
+        steps of the slowest live one; 0 for lockstep (each step sees every worker's last one)."""
         super().__init__(precision, timeout)
         servers = servers or [a for a in os.environ.get("LOOM_PS_SERVERS", "").split(",") if a]
         if not servers:
@@ -118,6 +134,10 @@ class ParameterServerStrategy(Strategy):
         self.token = token or os.environ.get("LOOM_PS_TOKEN", "")
         self.worker = int(os.environ.get("LOOM_PS_WORKER", "0")) if worker is None else worker
         self.num_workers = int(os.environ.get("LOOM_PS_WORKERS", "1")) if num_workers is None else num_workers
+        env_staleness = os.environ.get("LOOM_PS_STALENESS")
+        self.staleness = staleness if staleness is not None else (int(env_staleness) if env_staleness else None)
+        if self.staleness is not None and self.staleness < 0:
+            raise ValueError(f"staleness must be None (asynchronous) or a number of steps >= 0, got {self.staleness}")
         self.variables: ShardedVariables | None = None
 
     @property
@@ -151,7 +171,7 @@ class ParameterServerStrategy(Strategy):
             self._wait_until_created(clients)
         for name, module in tables.items():
             _replace(model, name, RemoteEmbedding(name, module, self.variables))
-        opt = ParameterServerOptimizer(inner, model, self.variables)
+        opt = ParameterServerOptimizer(inner, model, self.variables, self.worker, self.num_workers, self.staleness)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return model, opt

@@ -6,6 +6,7 @@ getting only its share: its dense parameters, and for a table the rows in its ra
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,11 +22,17 @@ class ShardedVariables:
         self.placement = placement
         self.worker = worker
         self.seq = 0
+        self.clock = 0  # steps pushed
+        self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
-        return {s: f.result() for s, f in futures.items()}
+        replies = {s: f.result() for s, f in futures.items()}
+        for s, (fields, _) in replies.items():
+            if "version" in fields:
+                self.versions[s] = fields["version"]
+        return replies
 
     @property
     def bytes_moved(self) -> int:
@@ -72,7 +79,8 @@ class ShardedVariables:
         requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
         def share(server: int) -> dict[str, torch.Tensor]:
-            return requests.setdefault(server, ({"op": "push", "worker": self.worker, "seq": self.seq}, {}))[1]
+            fields = {"op": "push", "worker": self.worker, "seq": self.seq, "based_on": self.versions.get(server)}
+            return requests.setdefault(server, (fields, {}))[1]
 
         for name, grad in dense_grads.items():
             share(self.placement.dense[name])[f"grad/{name}"] = grad
@@ -83,6 +91,16 @@ class ShardedVariables:
                     share(s)[f"rowgrad/{name}"] = grads[positions]
         self._fan_out(requests)
         self.seq += 1
+        self.clock += 1
+
+    def wait_for_peers(self, index: int, workers: int, staleness: int, lease: float = 30.0) -> None:
+        """Block while this worker is more than ``staleness`` steps ahead of the slowest live one."""
+        while True:
+            request = {"op": "tick", "worker": index, "clock": self.clock, "workers": workers, "lease": lease}
+            fields, _ = self.clients[0].call(request)
+            if self.clock - fields["min_clock"] <= staleness:
+                return
+            time.sleep(0.005)
 
     def close(self) -> None:
         self._pool.shutdown()

@@ -1,6 +1,7 @@
 """ParameterServerStrategy: one worker equals local training; several workers train on their own."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -92,3 +93,58 @@ def test_optimizers_the_servers_cannot_run_are_named(servers):
     strategy = ParameterServerStrategy(servers, token="job-token")
     with pytest.raises(ValueError, match="RMSprop cannot run on the parameter servers; use SGD"):
         strategy.prepare(Clicks(), lambda p: torch.optim.RMSprop(p))
+
+
+def _race(servers, staleness, steps=30):
+    """Two workers, one 10x slower; the order in which their steps finish."""
+    finished = []
+    lock, start = threading.Lock(), threading.Barrier(2)
+
+    def work(worker):
+        strategy = ParameterServerStrategy(servers, token="job-token", worker=worker, num_workers=2, staleness=staleness)
+        model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.05))
+        start.wait()  # both step from the same moment
+        for ids, y in batches(steps, seed=worker):
+            F.binary_cross_entropy_with_logits(model(ids), y).backward()
+            if worker == 1:
+                time.sleep(0.02)  # the straggler
+            opt.step()
+            opt.zero_grad()
+            with lock:
+                finished.append(worker)
+        strategy.shutdown()
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(finished) == 2 * steps
+    return finished
+
+
+def _widest_lead(finished):
+    counts, lead = [0, 0], 0
+    for worker in finished:
+        counts[worker] += 1
+        lead = max(lead, counts[0] - counts[1])
+    return lead
+
+
+@pytest.mark.parametrize("staleness", [0, 3])
+def test_bounded_staleness_keeps_the_fast_worker_within_k_steps(servers, staleness):
+    assert _widest_lead(_race(servers, staleness)) <= staleness + 1
+
+
+def test_asynchronous_workers_do_not_wait_for_a_straggler(servers):
+    assert _widest_lead(_race(servers, None)) > 10
+
+
+def test_servers_record_how_stale_each_push_was(servers):
+    _race(servers, None, steps=10)
+    from loom.strategies.parameter_server.client import ServerClient
+
+    stats = ServerClient(servers[0], "job-token").call({"op": "stats"})[0]
+    histogram = {int(k): v for k, v in stats["staleness"].items()}
+    assert sum(histogram.values()) == stats["version"] == 20
+    assert max(histogram) >= 1  # the straggler computed on parameters others had since updated
