@@ -1,0 +1,175 @@
+"""Sparse model W3: parameter servers against all-reduce, samples/s and bytes on the wire.
+
+    python bench/parameter_server.py [--workers 2 4] [--steps 30]
+
+W3: EmbeddingBag(1,000,000 x 32, sum) over bags of 20 ids drawn from a Zipf distribution
+(exponent 1.1, as ids in click logs are), then an MLP 32-64-1; global batch 1024. Three ways
+to train it on the same data:
+
+* loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches);
+* MirroredStrategy, all-reducing the dense 128 MB embedding gradient every step;
+* DDP with sparse embedding gradients (``EmbeddingBag(sparse=True)``; gloo all-gathers them).
+
+Bytes sent plus received per worker per step are measured, not computed: for the all-reduce
+jobs on the wire (each job runs in a network namespace of its own, whose loopback counters
+are exactly its traffic, read over the timed steps); for the parameter servers at the
+transport (the size of every gRPC message a worker sent and received). Where namespaces
+cannot be made, the run says so and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.workloads import RESULTS, save  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS, DIM, BAG, GLOBAL_BATCH = 1_000_000, 32, 20, 1024
+
+
+class W3(nn.Module):
+    def __init__(self, sparse: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bag = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 64), nn.ReLU(), nn.Linear(64, 1))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.bag(ids)).squeeze(1)
+
+
+def batch(step: int, worker: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zipf(1.1) ids folded into the table, the same for every method at the same step and worker."""
+    rng = np.random.default_rng(step * 1_000 + worker)
+    ids = torch.from_numpy((rng.zipf(1.1, size=(size, BAG)) - 1) % ROWS)
+    return ids, (ids % 5 == 0).float().mean(1).gt(0.2).float()
+
+
+def worker_main(method: str, steps: int, out: str) -> None:
+    import loom
+
+    strategy = loom.auto_strategy()
+    workers = strategy.num_replicas_in_sync
+    size = GLOBAL_BATCH // workers
+    model = W3(sparse=method == "sparse-ddp")
+    if method == "sparse-ddp":  # plain DDP on loom's process group: Mirrored does not take sparse gradients
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model, opt = strategy.prepare(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    rank = strategy.replica_id
+    times, wire, transport = [], 0, 0
+    for step in range(steps + 3):
+        if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
+            wire = _lo_bytes()
+            transport = strategy.variables.bytes_moved if method == "parameter-server" else 0
+        ids, y = batch(step, rank, size)
+        start = time.perf_counter()
+        F.binary_cross_entropy_with_logits(model(ids), y).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - start)
+    wire = _lo_bytes() - wire
+    transport = (strategy.variables.bytes_moved if method == "parameter-server" else 0) - transport
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump({"seconds": times[3:], "samples": size * steps, "wire": wire, "transport": transport}, f)
+
+
+def _lo_bytes() -> int:
+    """Bytes sent on loopback in this network namespace (each is also received there)."""
+    text = Path("/proc/net/dev").read_text()
+    return int(next(line for line in text.splitlines() if line.strip().startswith("lo:")).split(":")[1].split()[8])
+
+
+def run(method: str, workers: int, steps: int, tmp: Path) -> dict[str, float]:
+    namespace = f"loombench{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", namespace], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
+        out = tmp / f"{method}-{workers}"
+        launch = ["--ps", "2", "--workers", str(workers)] if method == "parameter-server" else ["--nproc", str(workers)]
+        command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
+        done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        if done.returncode:
+            raise RuntimeError(f"{method} x{workers} failed: {done.stderr[-2000:]}")
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace])
+    reports = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(workers)]
+    step_seconds = max(float(np.median(r["seconds"])) for r in reports)  # the slowest worker sets the pace in sync runs
+    if method == "parameter-server":  # asynchronous: each worker at its own pace
+        rate = sum(r["samples"] / sum(r["seconds"]) for r in reports)
+    else:
+        rate = GLOBAL_BATCH / step_seconds
+    if method == "parameter-server":  # at the transport: what each worker sent plus received
+        per_worker_step = float(np.mean([r["transport"] for r in reports])) / steps
+    else:  # on the wire, in lockstep: every byte is sent by one worker and received by another
+        per_worker_step = 2 * reports[0]["wire"] / workers / steps
+    return {"samples_per_sec": rate, "bytes_per_worker_step": per_worker_step, "step_seconds": step_seconds}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args.worker, args.steps, args.out)
+        return
+    if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+        sys.exit("bench/parameter_server.py measures bytes in network namespaces; it needs root and iproute2")
+    import tempfile
+
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in args.workers:
+            for method in ("parameter-server", "mirrored-dense", "sparse-ddp"):
+                row = run(method, workers, args.steps, Path(tmp))
+                results.setdefault(method, {})[str(workers)] = row
+                print(f"{method:<18} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
+                      f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step", flush=True)  # fmt: skip
+    for workers in map(str, args.workers):
+        ps, dense, sparse = (results[m][workers] for m in ("parameter-server", "mirrored-dense", "sparse-ddp"))
+        print(f"{workers} workers: PS vs dense all-reduce {ps['samples_per_sec'] / dense['samples_per_sec']:.1f}x throughput, "
+              f"{dense['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.0f}x fewer bytes; "
+              f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
+              f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
+    print(f"saved {save('parameter_server', results)}")
+    plot(results, RESULTS / "parameter_server.png")
+
+
+def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, rows in results.items():
+        workers = [int(w) for w in rows]
+        left.plot(workers, [rows[str(w)]["samples_per_sec"] for w in workers], marker="o", label=method)
+        right.plot(workers, [rows[str(w)]["bytes_per_worker_step"] / 2**20 for w in workers], marker="o", label=method)
+    left.set(xlabel="workers", ylabel="samples/s", title="W3 throughput")
+    right.set(xlabel="workers", ylabel="MB per worker per step (on the wire)", title="W3 traffic", yscale="log")
+    left.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
