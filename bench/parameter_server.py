@@ -165,7 +165,9 @@ def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
         left.plot(workers, [rows[str(w)]["samples_per_sec"] for w in workers], marker="o", label=method)
         right.plot(workers, [rows[str(w)]["bytes_per_worker_step"] / 2**20 for w in workers], marker="o", label=method)
     left.set(xlabel="workers", ylabel="samples/s", title="W3 throughput")
-    right.set(xlabel="workers", ylabel="MB per worker per step (on the wire)", title="W3 traffic", yscale="log")
+    right.set(xlabel="workers", ylabel="MB sent+received per worker per step", title="W3 traffic (PS: at the transport)", yscale="log")
+    for axis in (left, right):
+        axis.set_xticks(sorted({int(w) for rows in results.values() for w in rows}))
     left.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
