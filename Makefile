@@ -24,6 +24,8 @@ bench: $(STAMP)
 	$(PYTHON) bench/scaling.py
 	$(PYTHON) bench/input_pipeline.py
 	$(PYTHON) bench/checkpoint.py
+	$(PYTHON) bench/ps_transport.py
+	-$(PYTHON) bench/parameter_server.py  # needs root for its network namespaces; says so otherwise
 
 # TensorFlow in an environment of its own, for the tf.data comparison (the benchmark says when it is missing).
 bench-tf:
