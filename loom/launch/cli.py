@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ps", type=int, help="start this many parameter servers (asynchronous training; with --workers)")
     run.add_argument("--workers", type=int, help="parameter-server workers, each restarted alone on failure (with --ps)")
     run.add_argument("--staleness", type=int, help="keep each worker within this many steps of the slowest (with --ps; 0: lockstep)")
+    run.add_argument("--ps-checkpoint-dir", help="where parameter servers save their state (with --ps; default: a temporary directory)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
@@ -124,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
         if args.ps is not None or args.workers is not None:
-            return run_parameter_server_job(entry, args.ps or 0, args.workers or 0, opts.max_restarts, args.staleness)
+            return run_parameter_server_job(
+                entry, args.ps or 0, args.workers or 0, opts.max_restarts, args.staleness, args.ps_checkpoint_dir
+            )
         return run_job(entry, opts)
     except LoomError as exc:
         print(f"loom: error: {exc}", file=sys.stderr)

@@ -44,3 +44,38 @@ def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_count
             pid = int(name.rsplit(".", 1)[1])
             finished = next((s for w, p, s in steps if p == pid), None) and max(s for _, p, s in steps if p == pid)
             assert count in (finished, finished + 1) if pid == victim else count == finished, (name, count, finished)
+
+
+def _server_pid(index, state_dir):
+    """The pid of this job's server ``index`` (its checkpoint file is in ``state_dir``)."""
+    listing = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    for line in listing.splitlines():
+        if "parameter_server.serve" in line and str(state_dir / f"server-{index}.safetensors") in line:
+            return int(line.split()[0])
+    raise AssertionError(f"no server {index} of this job running:\n{listing}")
+
+
+def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(tmp_path):
+    out = tmp_path / "out"
+    job = subprocess.Popen(
+        [*LOOM, "run", "--ps", "2", "--workers", "2", "--max-restarts", "1", "--ps-checkpoint-dir", str(tmp_path / "ps"),
+         str(SCRIPTS / "ps_train.py"), str(out), "150"],
+        cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 90
+        while not (tmp_path / "ps" / "server-1.safetensors").exists() or len(_progress(out)) < 60:
+            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=5)
+            time.sleep(0.05)
+        victim = _server_pid(1, tmp_path / "ps")
+        subprocess.run(["kill", "-9", str(victim)], check=True)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    assert f"parameter server 1 (127.0.0.1:" in stderr and f"pid {victim}) exited with code -9; restarting it from its checkpoint" in stderr
+    assert "parameter server 1 listening on 127.0.0.1:" in stdout and "(resumed from" in stdout
+    steps = _progress(out)
+    assert {w: max(s for v, _, s in steps if v == w) for w in (0, 1)} == {0: 150, 1: 150}
+    applied = json.loads(out.with_name("out.stats").read_text())
+    assert sum(applied[0].values()) == 300  # the server that never died applied every push once

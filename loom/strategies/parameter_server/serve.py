@@ -1,7 +1,9 @@
 """A parameter-server process: ``python -m loom.strategies.parameter_server.serve --port P``.
 
 The job's token comes from ``LOOM_PS_TOKEN`` (not the command line, where other users of the
-machine could read it). It serves until SIGTERM or SIGINT.
+machine could read it). With ``--checkpoint FILE`` the server saves its state every
+``--checkpoint-every`` seconds and on SIGTERM, and a server started again resumes from it:
+the pushes since the last save are lost, those before it stay applied exactly once.
 """
 
 from __future__ import annotations
@@ -20,18 +22,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--index", type=int, default=0, help="this server's number in the job, for messages")
+    parser.add_argument("--checkpoint", help="file to save the server's state to, and resume from")
+    parser.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between saves")
     args = parser.parse_args(argv)
     token = os.environ.get("LOOM_PS_TOKEN")
     if not token:
         print("loom: error: LOOM_PS_TOKEN is not set; a parameter server only serves its own job", file=sys.stderr)
         return 2
-    server = ParameterServer(token)
+    resumed = bool(args.checkpoint) and os.path.exists(args.checkpoint)
+    server = ParameterServer.restore(token, args.checkpoint) if resumed else ParameterServer(token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     port = server.serve(args.port, args.host)
-    print(f"loom: parameter server {args.index} listening on {args.host}:{port}", flush=True)
-    stop.wait()
+    state = f" (resumed from {args.checkpoint}, {server.version} updates)" if resumed else ""
+    print(f"loom: parameter server {args.index} listening on {args.host}:{port}{state}", flush=True)
+    while not stop.wait(args.checkpoint_every if args.checkpoint else None):
+        if server.created:
+            server.save(args.checkpoint)
+    if args.checkpoint and server.created:
+        server.save(args.checkpoint)
     server.stop()
     return 0
 

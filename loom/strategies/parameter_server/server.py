@@ -9,6 +9,9 @@ applied whole, under the locks of the variables it touches.
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import threading
 import time
 from concurrent import futures
@@ -150,6 +153,61 @@ class ParameterServer:
                     raise WireError(f"row ids of '{name}' outside this server's {len(table)} rows")
             elif kind not in ("grad", "rowids"):
                 raise WireError(f"unknown tensor '{key}' in a push")
+
+    # ---- checkpoints -------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Everything this server holds, in one safetensors file replaced atomically (no pickle)."""
+        from safetensors.torch import save_file
+
+        locks = [self._seq_lock] + [self._locks[n] for n in sorted(self._locks)]
+        for lock in locks:  # one consistent snapshot: no push half in it
+            lock.acquire()
+        try:
+            tensors = {f"dense/{n}": t.clone() for n, t in self.dense.items()}
+            tensors.update({f"table/{n}": t.clone() for n, t in self.tables.items()})
+            steps = {}
+            for var, slots in self.optimizer.state.items():
+                steps[var] = slots["step"]
+                tensors.update({f"opt/{var}/{k}": v.clone() for k, v in slots.items() if isinstance(v, torch.Tensor)})
+            meta = {
+                "optimizer": {k: v for k, v in dataclasses.asdict(self.optimizer).items() if k != "state"},
+                "steps": steps,
+                "version": self.version,
+                "applied": self.applied,
+                "last_seq": self._last_seq,
+                "staleness": self.staleness,
+                "created": self.created,
+            }
+        finally:
+            for lock in reversed(locks):
+                lock.release()
+        temp = f"{path}.tmp-{os.getpid()}"
+        save_file(tensors, temp, metadata={"loom": json.dumps(meta)})
+        os.replace(temp, path)
+
+    @classmethod
+    def restore(cls, token: str, path: str | os.PathLike) -> ParameterServer:
+        """A server with the state ``save`` wrote; pushes already applied stay applied once."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as file:
+            meta = json.loads(file.metadata()["loom"])
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+        optimizer = ServerOptimizer(**meta["optimizer"])
+        for var, step in meta["steps"].items():
+            optimizer.state[var] = {"step": step}
+        for key, value in tensors.items():
+            kind, rest = key.split("/", 1)
+            if kind == "opt":
+                var, slot = rest.rsplit("/", 1)
+                optimizer.state[var][slot] = value
+        dense = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("dense/")}
+        tables = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("table/")}
+        server = cls(token, dense, tables, optimizer)
+        server.created = meta["created"]
+        server.version, server.applied, server._last_seq = meta["version"], meta["applied"], meta["last_seq"]
+        server.staleness = {int(k): v for k, v in meta["staleness"].items()}
+        return server
 
     # ---- serving -------------------------------------------------------------------------------
     def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
