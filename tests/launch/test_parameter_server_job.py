@@ -73,7 +73,7 @@ def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
-    assert f"parameter server 1 (127.0.0.1:" in stderr and f"pid {victim}) exited with code -9; restarting it from its checkpoint" in stderr
+    assert "parameter server 1 (127.0.0.1:" in stderr and f"pid {victim}) exited with code -9; restarting it from its checkpoint" in stderr
     assert "parameter server 1 listening on 127.0.0.1:" in stdout and "(resumed from" in stdout
     steps = _progress(out)
     assert {w: max(s for v, _, s in steps if v == w) for w in (0, 1)} == {0: 150, 1: 150}
