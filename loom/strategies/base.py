@@ -240,6 +240,10 @@ class Strategy(ABC):
         with self._guard():
             return self._checkpointer.restore(directory, _unwrapped(state), fallback)
 
+    def job_report(self) -> dict[str, float] | None:
+        """Figures about the whole job that only some strategies have (parameter servers); else None."""
+        return None
+
     def preempted(self) -> bool:
         """Whether any replica got SIGTERM since ``loom.comm.preemption.arm()``; call it on every replica.
 

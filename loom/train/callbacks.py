@@ -83,6 +83,11 @@ class ProgressBar(Callback):
             stats = getattr(state.loader, "stats", None)  # a loom.data pipeline times its input
             if stats is not None:
                 status += f"  input wait {stats.wait_fraction:.0%}"
+            job = state.strategy.job_report()  # parameter servers: the whole job's progress
+            if job:
+                status += f"  global step {job['global_step']:,.0f}  {job['updates_per_sec']:,.0f} updates/s"
+                if "staleness_p50" in job:
+                    status += f"  staleness p50 {job['staleness_p50']:.0f} p90 {job['staleness_p90']:.0f}"
             self._progress.update(self._task, status=status)
             self._last = now
 
@@ -114,6 +119,8 @@ class TensorBoard(Callback):
     def on_batch_end(self, state: FitState, loss: torch.Tensor) -> None:
         if self._writer is not None and state.step % self.every_steps == 0:
             self._writer.add_scalar("train/step_loss", loss.item(), state.step)
+            for key, value in (state.strategy.job_report() or {}).items():
+                self._writer.add_scalar(f"job/{key}", value, state.step)
 
     def on_epoch_end(self, state: FitState, logs: dict[str, float]) -> None:
         if self._writer is None:

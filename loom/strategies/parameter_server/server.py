@@ -49,6 +49,7 @@ class ParameterServer:
         self.version = 0  # pushes applied here, all workers together
         self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
         self.clocks: dict[int, tuple[int, float]] = {}  # worker index -> (steps done, when last heard)
+        self.progress: dict[str, int] = {}  # worker index -> steps it has pushed (for the chief's report)
         self._last_seq: dict[str, int] = {}
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
@@ -68,12 +69,18 @@ class ParameterServer:
             with self._locks[table]:
                 return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]].clone()}
         if op == "push":
-            return {"applied": self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"))}, {}
+            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"))
+            if "index" in fields:
+                with self._seq_lock:
+                    key = str(fields["index"])
+                    self.progress[key] = max(self.progress.get(key, 0), fields["step"])
+            return {"applied": applied}, {}
         if op == "tick":
             return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
         if op == "stats":
             clocks = {w: c for w, (c, _) in self.clocks.items()}
-            return {"applied": dict(self.applied), "version": self.version, "staleness": self.staleness, "clocks": clocks}, {}
+            stats = {"applied": dict(self.applied), "version": self.version, "staleness": self.staleness}
+            return {**stats, "clocks": clocks, "progress": dict(self.progress)}, {}
         raise WireError(f"unknown operation {op!r}")
 
     def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:

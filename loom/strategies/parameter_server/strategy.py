@@ -139,6 +139,7 @@ class ParameterServerStrategy(Strategy):
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"staleness must be None (asynchronous) or a number of steps >= 0, got {self.staleness}")
         self.variables: ShardedVariables | None = None
+        self._last_report: tuple[float, dict[str, int]] = (time.monotonic(), {})
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -163,7 +164,7 @@ class ParameterServerStrategy(Strategy):
         )
         clients = [ServerClient(a, self.token) for a in self.servers]
         # One name per process: a restarted worker's pushes start again at sequence 0.
-        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}.{os.getpid()}")
+        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}.{os.getpid()}", self.worker)
         inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
         if self.is_chief:
             self.variables.create(dense, {n: m.weight.detach() for n, m in tables.items()}, server_rule(inner))
@@ -211,6 +212,30 @@ class ParameterServerStrategy(Strategy):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
+    def job_report(self) -> dict[str, float]:
+        """The job as the servers see it: global step, updates/s, staleness, each worker's steps/s.
+
+        Rates are over the time since the previous call.
+        """
+        assert self.variables is not None
+        stats = [c.call({"op": "stats"})[0] for c in self.variables.clients]
+        progress: dict[str, int] = {}
+        staleness: dict[int, int] = {}
+        for server in stats:
+            for worker, step in server["progress"].items():
+                progress[worker] = max(progress.get(worker, 0), step)
+            for stale, count in server["staleness"].items():
+                staleness[int(stale)] = staleness.get(int(stale), 0) + count
+        now, global_step = time.monotonic(), sum(progress.values())
+        last_time, last_progress = self._last_report
+        elapsed = max(now - last_time, 1e-9)
+        report = {"global_step": float(global_step), "updates_per_sec": (global_step - sum(last_progress.values())) / elapsed}
+        report.update(_percentiles(staleness))
+        for worker, step in sorted(progress.items()):
+            report[f"worker{worker}_steps_per_sec"] = (step - last_progress.get(worker, 0)) / elapsed
+        self._last_report = (now, progress)
+        return report
+
     def reduce(self, value: Any, op: str = "mean") -> Any:
         return value  # asynchronous workers have no collective: each reports its own
 
@@ -220,6 +245,22 @@ class ParameterServerStrategy(Strategy):
     def shutdown(self) -> None:
         if self.variables is not None:
             self.variables.close()
+
+
+def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
+    """Median, 90th percentile and maximum of a staleness histogram."""
+    total = sum(histogram.values())
+    if not total:
+        return {}
+    out, seen = {}, 0
+    for value in sorted(histogram):
+        seen += histogram[value]
+        if "staleness_p50" not in out and seen >= 0.5 * total:
+            out["staleness_p50"] = float(value)
+        if "staleness_p90" not in out and seen >= 0.9 * total:
+            out["staleness_p90"] = float(value)
+    out["staleness_max"] = float(max(histogram))
+    return out
 
 
 def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:

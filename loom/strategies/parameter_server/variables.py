@@ -17,10 +17,11 @@ from loom.strategies.parameter_server.partitioner import Placement
 
 
 class ShardedVariables:
-    def __init__(self, clients: list[ServerClient], placement: Placement, worker: str) -> None:
+    def __init__(self, clients: list[ServerClient], placement: Placement, worker: str, index: int = 0) -> None:
         self.clients = clients
         self.placement = placement
         self.worker = worker
+        self.index = index
         self.seq = 0
         self.clock = 0  # steps pushed
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
@@ -79,7 +80,8 @@ class ShardedVariables:
         requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
         def share(server: int) -> dict[str, torch.Tensor]:
-            fields = {"op": "push", "worker": self.worker, "seq": self.seq, "based_on": self.versions.get(server)}
+            fields = {"op": "push", "worker": self.worker, "seq": self.seq, "based_on": self.versions.get(server),
+                      "index": self.index, "step": self.clock + 1}  # fmt: skip
             return requests.setdefault(server, (fields, {}))[1]
 
         for name, grad in dense_grads.items():

@@ -148,3 +148,32 @@ def test_servers_record_how_stale_each_push_was(servers):
     histogram = {int(k): v for k, v in stats["staleness"].items()}
     assert sum(histogram.values()) == stats["version"] == 20
     assert max(histogram) >= 1  # the straggler computed on parameters others had since updated
+
+
+def test_the_chief_reports_the_jobs_progress(servers):
+    _race(servers, None, steps=12)
+    chief = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=2)
+    chief.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.05))  # variables exist: joins as chief
+    report = chief.job_report()
+    assert report["global_step"] == 24  # both workers' steps, as the servers saw them
+    assert report["staleness_max"] >= report["staleness_p90"] >= report["staleness_p50"] >= 0
+    assert report["worker0_steps_per_sec"] > 0 and report["worker1_steps_per_sec"] > 0
+    assert chief.job_report()["updates_per_sec"] == 0  # nothing happened since the last report
+    chief.shutdown()
+
+
+def test_fit_under_parameter_servers_writes_the_job_report_to_tensorboard(servers, tmp_path):
+    import loom
+    from loom.train import TensorBoard
+
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    ids = torch.randint(0, 50, (64, 5))
+    data = torch.utils.data.TensorDataset(ids, (ids % 7 == 0).any(1).float())
+    loom.fit(Clicks(), F.binary_cross_entropy_with_logits, lambda p: torch.optim.SGD(p, lr=0.1), data, epochs=2,
+             batch_size=16, strategy=strategy, progress=False, callbacks=[TensorBoard(str(tmp_path), every_steps=2)])  # fmt: skip
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path)).Reload()
+    assert {"job/global_step", "job/updates_per_sec", "job/worker0_steps_per_sec"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("job/global_step")[-1].value == 8
+    strategy.shutdown()
