@@ -22,3 +22,19 @@ def test_multi_worker_example_on_two_local_nodes():
     chief_out = results[0][1]
     assert "MultiWorkerMirroredStrategy, 2 replica(s): test accuracy: " in chief_out
     assert float(chief_out.strip().rsplit(" ", 1)[1]) >= 0.95
+
+
+def test_ctr_example_asynchronous_parameter_servers_match_synchronous_quality():
+    """The issue's quality bar: async training within 0.01 AUC of synchronous for the same samples."""
+    import re
+
+    from tests.helpers import loom_run
+
+    script = str(EXAMPLES / "ctr_parameter_server.py")
+    runs = {"ps": loom_run(["run", "--ps", "2", "--workers", "2", script], timeout=240), "sync": loom_run(["run", "--nproc", "2", script], timeout=240)}
+    auc = {}
+    for name, done in runs.items():
+        assert done.returncode == 0, done.stderr[-2000:]
+        auc[name] = float(re.search(r"test AUC (\d\.\d+)", done.stdout).group(1))
+    assert "ParameterServerStrategy: test AUC" in runs["ps"].stdout and "MirroredStrategy: test AUC" in runs["sync"].stdout
+    assert auc["sync"] > 0.75 and abs(auc["ps"] - auc["sync"]) < 0.01, auc
