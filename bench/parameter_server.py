@@ -14,7 +14,8 @@ Bytes sent plus received per worker per step are measured, not computed: for the
 jobs on the wire (each job runs in a network namespace of its own, whose loopback counters
 are exactly its traffic, read over the timed steps); for the parameter servers at the
 transport (the size of every gRPC message a worker sent and received). Where namespaces
-cannot be made, the run says so and stops.
+cannot be made, the run says so and stops. With 4 workers it also slows one of them 4x (a
+sleep of three step times) and reports how much throughput each method keeps.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
         model, opt = strategy.prepare(model, lambda p: torch.optim.SGD(p, lr=0.1))
     rank = strategy.replica_id
     times, wire, transport = [], 0, 0
+    straggle = float(os.environ.get("LOOM_BENCH_STRAGGLER_SLEEP", "0")) if rank == 3 else 0.0
     for step in range(steps + 3):
         if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
             wire = _lo_bytes()
@@ -80,6 +82,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
         ids, y = batch(step, rank, size)
         start = time.perf_counter()
         F.binary_cross_entropy_with_logits(model(ids), y).backward()
+        time.sleep(straggle)  # the straggler: a slow machine
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
@@ -95,15 +98,16 @@ def _lo_bytes() -> int:
     return int(next(line for line in text.splitlines() if line.strip().startswith("lo:")).split(":")[1].split()[8])
 
 
-def run(method: str, workers: int, steps: int, tmp: Path) -> dict[str, float]:
+def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float = 0.0) -> dict[str, float]:
     namespace = f"loombench{os.getpid()}"
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
-        out = tmp / f"{method}-{workers}"
+        out = tmp / f"{method}-{workers}-{straggler_sleep:g}"
         launch = ["--ps", "2", "--workers", str(workers)] if method == "parameter-server" else ["--nproc", str(workers)]
         command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
-        done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_BENCH_STRAGGLER_SLEEP": str(straggler_sleep)}
+        done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode:
             raise RuntimeError(f"{method} x{workers} failed: {done.stderr[-2000:]}")
     finally:
@@ -149,8 +153,25 @@ def main() -> None:
               f"{dense['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.0f}x fewer bytes; "
               f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
               f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
+    if 4 in args.workers:
+        results["straggler"] = straggler(results, args.steps)
     print(f"saved {save('parameter_server', results)}")
-    plot(results, RESULTS / "parameter_server.png")
+    plot({k: v for k, v in results.items() if k != "straggler"}, RESULTS / "parameter_server.png")
+
+
+def straggler(results: dict, steps: int) -> dict[str, dict[str, float]]:
+    """One of 4 workers slowed 4x (a sleep of 3 step times): who keeps their pace."""
+    import tempfile
+
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for method in ("parameter-server", "sparse-ddp"):
+            quiet = results[method]["4"]
+            slowed = run(method, 4, steps, Path(tmp), straggler_sleep=3 * quiet["step_seconds"])
+            kept = slowed["samples_per_sec"] / quiet["samples_per_sec"]
+            out[method] = {"samples_per_sec": slowed["samples_per_sec"], "kept": kept}
+            print(f"straggler ({method}): {slowed['samples_per_sec']:9,.0f} samples/s, {kept:.0%} of its no-straggler throughput", flush=True)
+    return out
 
 
 def plot(results: dict[str, dict[str, dict[str, float]]], path: Path) -> None:
