@@ -15,7 +15,9 @@ jobs on the wire (each job runs in a network namespace of its own, whose loopbac
 are exactly its traffic, read over the timed steps); for the parameter servers at the
 transport (the size of every gRPC message a worker sent and received). Where namespaces
 cannot be made, the run says so and stops. With 4 workers it also slows one of them 4x (a
-sleep of three step times) and reports how much throughput each method keeps.
+sleep of three step times) and reports how much throughput each method keeps. Each worker
+reports how much its peak resident memory grew from before the model was built (the table is
+128 MB); parameter-server workers build the model under ``strategy.scope()``.
 """
 
 from __future__ import annotations
@@ -64,7 +66,12 @@ def worker_main(method: str, steps: int, out: str) -> None:
     strategy = loom.auto_strategy()
     workers = strategy.num_replicas_in_sync
     size = GLOBAL_BATCH // workers
-    model = W3(sparse=method == "sparse-ddp")
+    rss_before = _peak_rss()
+    if method == "parameter-server":
+        with strategy.scope():  # the table is never built on a worker: the servers draw it
+            model = W3()
+    else:
+        model = W3(sparse=method == "sparse-ddp")
     if method == "sparse-ddp":  # plain DDP on loom's process group: Mirrored does not take sparse gradients
         from torch.nn.parallel import DistributedDataParallel
 
@@ -89,7 +96,14 @@ def worker_main(method: str, steps: int, out: str) -> None:
     wire = _lo_bytes() - wire
     transport = (strategy.variables.bytes_moved if method == "parameter-server" else 0) - transport
     with open(f"{out}.{rank}.json", "w") as f:
-        json.dump({"seconds": times[3:], "samples": size * steps, "wire": wire, "transport": transport}, f)
+        json.dump({"seconds": times[3:], "samples": size * steps, "wire": wire, "transport": transport,
+                   "peak_rss_growth": _peak_rss() - rss_before}, f)  # fmt: skip
+
+
+def _peak_rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def _lo_bytes() -> int:
@@ -122,7 +136,8 @@ def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float
         per_worker_step = float(np.mean([r["transport"] for r in reports])) / steps
     else:  # on the wire, in lockstep: every byte is sent by one worker and received by another
         per_worker_step = 2 * reports[0]["wire"] / workers / steps
-    return {"samples_per_sec": rate, "bytes_per_worker_step": per_worker_step, "step_seconds": step_seconds}
+    growth = max(r["peak_rss_growth"] for r in reports)  # the worker whose peak memory grew most
+    return {"samples_per_sec": rate, "bytes_per_worker_step": per_worker_step, "step_seconds": step_seconds, "peak_rss_growth": growth}
 
 
 def main() -> None:
@@ -146,7 +161,8 @@ def main() -> None:
                 row = run(method, workers, args.steps, Path(tmp))
                 results.setdefault(method, {})[str(workers)] = row
                 print(f"{method:<18} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
-                      f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step", flush=True)  # fmt: skip
+                      f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step  "
+                      f"worker peak memory +{row['peak_rss_growth'] / 2**20:.0f} MB", flush=True)  # fmt: skip
     for workers in map(str, args.workers):
         ps, dense, sparse = (results[m][workers] for m in ("parameter-server", "mirrored-dense", "sparse-ddp"))
         print(f"{workers} workers: PS vs dense all-reduce {ps['samples_per_sec'] / dense['samples_per_sec']:.1f}x throughput, "

@@ -59,7 +59,7 @@ class ParameterServer:
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         op = fields.get("op")
         if op == "create":
-            return {"created": self._create(fields["optimizer"], tensors)}, {}
+            return {"created": self._create(fields["optimizer"], tensors, fields.get("generate", {}))}, {}
         if op == "ready":
             return {"ready": self.created}, {}
         if op == "pull":
@@ -83,14 +83,22 @@ class ParameterServer:
             return {**stats, "clocks": clocks, "progress": dict(self.progress)}, {}
         raise WireError(f"unknown operation {op!r}")
 
-    def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
-        """Take the chief's initial values, once: a chief that restarts finds the trained ones kept."""
+    def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor], generate: dict[str, Any]) -> bool:
+        """Take the chief's initial values, once: a chief that restarts finds the trained ones kept.
+
+        Tables in ``generate`` are drawn here, N(0, 1) as ``nn.Embedding`` initializes, so no
+        worker ever holds a whole table.
+        """
         with self._seq_lock:
             if self.created:
                 return False
             for key, value in tensors.items():
                 kind, name = key.split("/", 1)
                 (self.dense if kind == "dense" else self.tables)[name] = value.clone()
+                self._locks[name] = threading.Lock()
+            for name, spec in generate.items():
+                generator = torch.Generator().manual_seed(spec["seed"])
+                self.tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
                 self._locks[name] = threading.Lock()
             self.optimizer = ServerOptimizer(**optimizer)
             self.created = True

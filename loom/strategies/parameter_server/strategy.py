@@ -153,25 +153,38 @@ class ParameterServerStrategy(Strategy):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    def scope(self) -> Any:
+        """Build the model inside ``with strategy.scope():`` so that no worker allocates the tables.
+
+        Parameters are created on the meta device; ``prepare`` then has the servers create the
+        embedding rows (N(0, 1), ``nn.Embedding``'s own initialization, each server its range)
+        and gives the other layers real memory, initialized by their ``reset_parameters``.
+        """
+        return torch.device("meta")
+
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         tables = {n: m for n, m in model.named_modules() if isinstance(m, EMBEDDINGS)}
         table_params = {f"{n}.weight" for n in tables}
-        dense = {n: p.detach() for n, p in model.named_parameters() if n not in table_params}
+        shapes = {n: p for n, p in model.named_parameters() if n not in table_params}
         placement = place(
-            {n: t.numel() * t.element_size() for n, t in dense.items()},
+            {n: p.numel() * p.element_size() for n, p in shapes.items()},
             {n: (m.num_embeddings, m.embedding_dim * m.weight.element_size()) for n, m in tables.items()},
             len(self.servers),
         )
         clients = [ServerClient(a, self.token) for a in self.servers]
         # One name per process: a restarted worker's pushes start again at sequence 0.
         self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}.{os.getpid()}", self.worker)
-        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
-        if self.is_chief:
-            self.variables.create(dense, {n: m.weight.detach() for n, m in tables.items()}, server_rule(inner))
-        else:
-            self._wait_until_created(clients)
+        initial = {n: m.weight.detach() for n, m in tables.items()}
         for name, module in tables.items():
             _replace(model, name, RemoteEmbedding(name, module, self.variables))
+        _materialize(model)  # built under scope(): the dense layers get memory now, the tables never
+        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
+        if self.is_chief:
+            dense = {n: p.detach() for n, p in model.named_parameters()}
+            self.variables.create(dense, {n: t for n, t in initial.items() if not t.is_meta}, server_rule(inner),
+                                  {n: (t.shape[1], self.worker) for n, t in initial.items() if t.is_meta})  # fmt: skip
+        else:
+            self._wait_until_created(clients)
         opt = ParameterServerOptimizer(inner, model, self.variables, self.worker, self.num_workers, self.staleness)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
@@ -277,6 +290,16 @@ def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     raise ValueError(
         f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (with or without momentum), Adagrad or Adam"
     )
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give parameters built on the meta device real memory and their modules' initialization."""
+    if not any(p.is_meta for p in model.parameters()):
+        return
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters") and not isinstance(module, RemoteEmbedding):
+            module.reset_parameters()
 
 
 def copy_module(model: nn.Module) -> nn.Module:

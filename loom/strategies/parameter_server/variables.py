@@ -40,15 +40,28 @@ class ShardedVariables:
         """Bytes this worker sent and received, counted at the transport."""
         return sum(c.bytes_sent + c.bytes_received for c in self.clients)
 
-    def create(self, dense: dict[str, torch.Tensor], tables: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
-        """The chief's first act: every server gets its variables' initial values and the update rule."""
+    def create(
+        self,
+        dense: dict[str, torch.Tensor],
+        tables: dict[str, torch.Tensor],
+        optimizer: dict[str, Any],
+        generated: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """The chief's first act: every server gets its variables' initial values and the update rule.
+
+        ``generated`` tables (name -> (dim, seed)) are not sent: each server draws its rows itself.
+        """
         requests = {}
         for s in range(len(self.clients)):
             tensors = {f"dense/{n}": t for n, t in dense.items() if self.placement.dense[n] == s}
             for name, table in tables.items():
                 lo, hi = self.placement.row_bounds[name][s : s + 2]
                 tensors[f"table/{name}"] = table[lo:hi]
-            requests[s] = ({"op": "create", "optimizer": optimizer}, tensors)
+            draws = {}
+            for name, (dim, seed) in (generated or {}).items():
+                lo, hi = self.placement.row_bounds[name][s : s + 2]
+                draws[name] = {"rows": hi - lo, "dim": dim, "seed": seed * 1_000 + s}
+            requests[s] = ({"op": "create", "optimizer": optimizer, "generate": draws}, tensors)
         self._fan_out(requests)
 
     def pull_dense(self, names: list[str]) -> dict[str, torch.Tensor]:

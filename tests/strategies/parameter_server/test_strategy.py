@@ -177,3 +177,23 @@ def test_fit_under_parameter_servers_writes_the_job_report_to_tensorboard(server
     assert {"job/global_step", "job/updates_per_sec", "job/worker0_steps_per_sec"} <= set(events.Tags()["scalars"])
     assert events.Scalars("job/global_step")[-1].value == 8
     strategy.shutdown()
+
+
+def test_under_scope_no_worker_allocates_a_table(servers):
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    with strategy.scope():
+        built = Clicks()
+    assert built.bag.weight.is_meta
+    model, opt = strategy.prepare(built, lambda p: torch.optim.Adagrad(p, lr=0.1))
+    assert all(not p.is_meta and p.numel() < 50 * 8 for p in model.parameters())  # the table lives on the servers
+    table = strategy.variables.pull_rows("bag", torch.arange(50))
+    assert table.shape == (50, 8) and 0.8 < table.std().item() < 1.2  # drawn there, N(0, 1)
+    losses = []
+    for ids, y in batches(40):
+        loss = F.binary_cross_entropy_with_logits(model(ids), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert sum(losses[-10:]) < sum(losses[:10])
+    strategy.shutdown()
