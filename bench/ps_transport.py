@@ -16,14 +16,30 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import save  # noqa: E402
+from loom.strategies.parameter_server.server import CHANNEL_OPTIONS  # noqa: E402
 
 SIZES = [4 * 1024, 128 * 1024, 4 * 1024 * 1024]  # bytes: a few rows, a batch of rows, a dense layer
 ROUNDS = 200
+
+
+def median_round_trips(echo: Callable[[torch.Tensor], Any]) -> dict[int, float]:
+    """Median seconds of ``echo(payload)`` for each payload size."""
+    results = {}
+    for size in SIZES:
+        payload = torch.randn(size // 4)
+        times = []
+        for _ in range(ROUNDS):
+            start = time.perf_counter()
+            echo(payload)
+            times.append(time.perf_counter() - start)
+        results[size] = statistics.median(times)
+    return results
 
 
 def _echo_bytes(request: bytes, context: object) -> bytes:
@@ -35,10 +51,7 @@ def _grpc_server(port: int, ready: multiprocessing.Event, stop: multiprocessing.
 
     import grpc
 
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2),
-        options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)],
-    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
     handler = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo_bytes)})
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -55,21 +68,11 @@ def grpc_round_trips(port: int) -> dict[int, float]:
     server = multiprocessing.Process(target=_grpc_server, args=(port, ready, stop))
     server.start()
     ready.wait(30)
-    channel = grpc.insecure_channel(
-        f"127.0.0.1:{port}",
-        options=[("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)],
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    call = channel.unary_unary("/bench.Echo/Echo")
+    results = median_round_trips(
+        lambda payload: torch.frombuffer(bytearray(call(payload.numpy().tobytes(), timeout=10)), dtype=torch.float32)
     )
-    echo = channel.unary_unary("/bench.Echo/Echo")
-    results = {}
-    for size in SIZES:
-        payload = torch.randn(size // 4)
-        times = []
-        for _ in range(ROUNDS):
-            start = time.perf_counter()
-            reply = echo(payload.numpy().tobytes(), timeout=10)
-            torch.frombuffer(bytearray(reply), dtype=torch.float32)
-            times.append(time.perf_counter() - start)
-        results[size] = statistics.median(times)
     channel.close()
     stop.set()
     server.join()
@@ -86,16 +89,7 @@ def _rpc_process(rank: int, port: int, results: multiprocessing.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     rpc.init_rpc(f"p{rank}", rank=rank, world_size=2)
     if rank == 0:
-        out = {}
-        for size in SIZES:
-            payload = torch.randn(size // 4)
-            times = []
-            for _ in range(ROUNDS):
-                start = time.perf_counter()
-                rpc.rpc_sync("p1", _echo_tensor, args=(payload,))
-                times.append(time.perf_counter() - start)
-            out[size] = statistics.median(times)
-        results.put(out)
+        results.put(median_round_trips(lambda payload: rpc.rpc_sync("p1", _echo_tensor, args=(payload,))))
     rpc.shutdown()
 
 
