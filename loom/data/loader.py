@@ -67,7 +67,7 @@ class DistributedLoader:
         self._started = False
         self.position = 0  # batches of the current epoch handed out
         self._start = 0  # where the current iteration began
-        self._resume: tuple[int, int] | None = None  # (epoch, batch) from load_state_dict
+        self._resume_at: int | None = None  # batch of ``epoch`` to continue from, after load_state_dict
         self.dataset = data
         self.plan: ShardPlan | None = None
         self._iterable_tail: tuple[int, int] | None = None  # (batch, real samples here) of an uneven last batch
@@ -93,8 +93,8 @@ class DistributedLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch whose order the next ``iter()`` yields (for resuming)."""
-        if self._resume is not None and self._resume[0] != epoch:
-            self._resume = None
+        if epoch != self.epoch:
+            self._resume_at = None
         self.epoch = epoch
         self._started = False
 
@@ -104,7 +104,7 @@ class DistributedLoader:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """The next ``iter()`` continues that epoch with exactly the next batch."""
-        self.epoch, self._resume = state["epoch"], (state["epoch"], state["batch"])
+        self.epoch, self._resume_at = state["epoch"], state["batch"]
         self._started = False
 
     @property
@@ -129,8 +129,7 @@ class DistributedLoader:
         if self._started:  # a second pass without set_epoch is the next epoch
             self.epoch += 1
         self._started = True
-        self._start = self._resume[1] if self._resume is not None else 0
-        self._resume = None
+        self._start, self._resume_at = self._resume_at or 0, None
         self.position = self._start
         non_blocking = self.device.type == "cuda"
         if self._loader is not None:
@@ -167,8 +166,7 @@ class DistributedLoader:
         """This replica's slice of the stream's uneven last batch (the same padding rule)."""
         plan = ShardPlan(len(chunk), self.global_batch, self.num_replicas)
         self._iterable_tail = (batch, plan.valid_count(0, self.replica))
-        return [chunk[i] for i in plan.replica_slice(list(range(len(chunk))), 0, self.replica)]
-
+        return plan.slice_of_batch(chunk, 0, self.replica)
 
 
 def own_generator(seed: int) -> torch.Generator:

@@ -100,12 +100,17 @@ class EpochPlan:
         if self.ops.repeat is None:
             return None
         if self.sharding == "sample":
-            total = self.ops.repeat * _take_skip(sum(self.lengths), self.ops.skip, self.ops.take)
-            return len(ShardPlan(total, self.batch_size, self.num_replicas, self.drop_remainder))
+            return len(self._sample_plan())
         totals = [sum(col) for col in zip(*(self._per_replica(sub) for sub in self._sub_epochs(epoch)))]
         if self.drop_remainder:
             return min(totals) // self.batch_size
         return math.ceil(max(totals) / self.batch_size)
+
+    def _sample_plan(self) -> ShardPlan:
+        """Global batches of one finite pass sharded by sample."""
+        assert self.ops.repeat is not None
+        total = self.ops.repeat * _take_skip(sum(self.lengths), self.ops.skip, self.ops.take)
+        return ShardPlan(total, self.batch_size, self.num_replicas, self.drop_remainder)
 
     def _per_replica(self, sub_epoch: int) -> list[int]:
         """Elements each replica reads in one repetition (after its skip/take share)."""
@@ -132,8 +137,7 @@ class EpochPlan:
             while True:
                 block = list(itertools.islice(stream, self.batch_size))
                 yield Chunk(block[lo : lo + size], size)
-        total = self.ops.repeat * _take_skip(sum(self.lengths), self.ops.skip, self.ops.take)
-        plan = ShardPlan(total, self.batch_size, self.num_replicas, self.drop_remainder)
+        plan = self._sample_plan()
         for batch in range(start, count):
             block = list(itertools.islice(stream, plan.batch_size_of(batch)))
             yield Chunk(plan.slice_of_batch(block, batch, self.replica), plan.valid_count(batch, self.replica))

@@ -22,17 +22,19 @@ class InputStats:
     prefetch: int
     cached: bool
     batches: int = 0
-    stage_seconds: list[float] = field(default_factory=list)
+    stage_seconds: list[float] = field(init=False)
     startup_seconds: float | None = None
     wait_seconds: float = 0.0
     waits: int = 0
     step_seconds: float = 0.0
     steps: int = 0
 
+    def __post_init__(self) -> None:
+        self.stage_seconds = [0.0] * len(self.stages)
+
     def record_batch(self, seconds: list[float], waited: float) -> None:
-        if not self.stage_seconds:
-            self.stage_seconds = [0.0] * len(self.stages)
-        self.stage_seconds = [a + b for a, b in zip(self.stage_seconds, seconds)]
+        for i, value in enumerate(seconds):
+            self.stage_seconds[i] += value
         self.batches += 1
         if self.startup_seconds is None:
             self.startup_seconds = waited
@@ -52,7 +54,7 @@ class InputStats:
 
     def summary(self) -> dict[str, Any]:
         """Per-batch figures in seconds, the verdict and the suggestion, for JSON or a report."""
-        per_batch = [s / max(self.batches, 1) for s in self.stage_seconds] or [0.0] * len(self.stages)
+        per_batch = [s / max(self.batches, 1) for s in self.stage_seconds]
         work = sum(per_batch)
         slowest = self.stages[max(range(len(per_batch)), key=per_batch.__getitem__)]
         wait = self.wait_seconds / max(self.waits, 1)

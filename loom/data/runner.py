@@ -219,8 +219,9 @@ class PipelineLoader:
         pending: tuple[Any, int] | None = None  # CUDA: the next batch, its copy already issued
         for result in self._results(epoch, start):
             skipped += result.skipped
-            if self.device.type != "cuda":
-                yield self._hand_out(result.data, result.valid)
+            if self.device.type != "cuda":  # no copy to overlap: none at all on CPU
+                batch = result.data if self.device.type == "cpu" else to_device(result.data, self.device)
+                yield self._hand_out(batch, result.valid)
                 continue
             if pending is not None:
                 yield self._hand_out(*pending)
@@ -233,7 +234,7 @@ class PipelineLoader:
     def _hand_out(self, batch: Any, valid: int) -> Any:
         self._valid.append(valid)
         self.position += 1
-        return to_device(batch, self.device)  # CPU: nothing to move
+        return batch
 
     def _results(self, epoch: int, start: int) -> Iterator[_Result]:
         """Workers' results in order, timing how long the consumer waits and trains."""
