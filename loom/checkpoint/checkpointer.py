@@ -10,22 +10,20 @@ training goes on meanwhile; the commit follows when the write completes.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 import warnings
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from loom import comm
 from loom.checkpoint import layout
-from loom.checkpoint.safe_reader import SafeFileSystemReader, read_index
+from loom.checkpoint.safe_reader import SafeFileSystemReader, quiet, read_index
 from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state
 from loom.errors import CheckpointError, CheckpointMismatchError
 
@@ -63,7 +61,7 @@ class Checkpointer:
         if self.rank == 0:
             layout.clear_temp(temp)
         comm.barrier()
-        _write_json(temp / f"rank-{self.rank:05d}.json", {"rng": rng_state()})
+        layout.write_json(temp / f"rank-{self.rank:05d}.json", {"rng": rng_state()})
         if self.rank == 0:
             meta = {
                 "format": FORMAT,
@@ -73,22 +71,20 @@ class Checkpointer:
                 "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 "kinds": kinds,
                 "plain": plain,
-                "tensors": {k: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for k, t in flatten(tensors).items()},
-            }
-            _write_json(temp / "loom.json", meta)
-        if async_save:  # one gentle thread in the background
+            }  # the tensors' keys, shapes and dtypes are in DCP's index
+            layout.write_json(temp / "loom.json", meta)
+        group, no_dist = self._checkpoint_group(), not dist.is_initialized()
+        if async_save:  # one gentle thread in the background, committing when it is done
             writer = _BackgroundWriter(temp, sync_files=durable)
-        else:  # DCP streams each tensor through a Python file object: one thread writes at half of torch.save's speed
-            writer = dcp.FileSystemWriter(temp, sync_files=durable, thread_count=SYNC_WRITE_THREADS)
-        options = {"storage_writer": writer, "process_group": self._checkpoint_group(), "no_dist": not dist.is_initialized()}
-        if async_save:
-            with _quiet():
-                written = dcp.async_save(tensors, **options)
+            with quiet():
+                written = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist)
             self._pending = committed = Future()
             written.add_done_callback(lambda done: self._commit_after(done, committed, temp, final, root, keep))
             return final
-        with _quiet():
-            dcp.save(tensors, **options)
+        # DCP streams each tensor through a Python file object: one thread writes at half of torch.save's speed
+        writer = dcp.FileSystemWriter(temp, sync_files=durable, thread_count=SYNC_WRITE_THREADS)
+        with quiet():
+            dcp.save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist)
         if self.rank == 0:
             self._commit(temp, final, root, keep)
         comm.barrier()
@@ -139,12 +135,12 @@ class Checkpointer:
 
     def _restore(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
         layout.verify(path)
-        meta = _read_json(path / "loom.json")
+        meta = layout.read_json(path / "loom.json")
         index = read_index(path / ".metadata")
         tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"})
         check_match(flatten(tensors), index.state_dict_metadata, path)
         try:
-            with _quiet():
+            with quiet():
                 dcp.load(
                     tensors,
                     storage_reader=SafeFileSystemReader(path),
@@ -153,13 +149,12 @@ class Checkpointer:
                 )
         except Exception as error:
             raise CheckpointError(f"{path}: could not be read ({error}); restore(..., fallback=True) tries the previous one") from error
-        values = apply(state, meta["kinds"], merge(tensors, meta["plain"]))
+        apply(state, meta["kinds"], merge(tensors, meta["plain"]))
         mine = path / f"rank-{self.rank:05d}.json"
         if mine.is_file() and meta["world_size"] == self.world_size:
-            set_rng_state(_read_json(mine)["rng"])
+            set_rng_state(layout.read_json(mine)["rng"])
         return {
             **{k: v for k, v in meta["plain"].items() if meta["kinds"][k] == "value"},
-            **values,
             "step": meta["step"],
             "path": str(path),
             "strategy": meta["strategy"],
@@ -215,22 +210,3 @@ def check_match(wanted: dict[str, Any], saved: dict[str, Any], path: Path) -> No
     for key in saved:
         if key.split(".", 1)[0] in roots and key not in wanted:
             raise CheckpointMismatchError(f"checkpoint does not match: {path} has '{key}' {list(saved[key].size)}, which is not here")
-
-
-@contextmanager
-def _quiet() -> Iterator[None]:
-    """DCP warns when it runs without a process group; for one replica that is the intent."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
-
-
-def _write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value))
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable ({error})") from error

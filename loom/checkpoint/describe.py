@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint import layout
-from loom.checkpoint.safe_reader import SafeFileSystemReader, read_index
+from loom.checkpoint.safe_reader import SafeFileSystemReader, quiet, read_index
 from loom.errors import CheckpointError
 
 
@@ -26,7 +25,7 @@ def find(path: str | Path) -> Path:
 def describe(path: str | Path) -> dict[str, Any]:
     """Step, strategy, world size, and every saved tensor's shape and dtype."""
     found = find(path)
-    meta = json.loads((found / "loom.json").read_text())
+    meta = layout.read_json(found / "loom.json")
     index = read_index(found / ".metadata")
     tensors = {
         key: {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch.")}
@@ -52,7 +51,8 @@ def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
     from safetensors.torch import save_file
 
     found = find(path)
-    kinds = json.loads((found / "loom.json").read_text())["kinds"]
+    meta = layout.read_json(found / "loom.json")
+    kinds = meta["kinds"]
     modules = [k for k, kind in kinds.items() if kind == "module"]
     if name is None:
         if len(modules) != 1:
@@ -67,6 +67,7 @@ def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
         for key, entry in index.state_dict_metadata.items()
         if key.startswith(prefix) and hasattr(entry, "size")
     }
-    dcp.load({name: weights}, storage_reader=SafeFileSystemReader(found), no_dist=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata={"step": str(describe(found)["step"])})
+    with quiet():
+        dcp.load({name: weights}, storage_reader=SafeFileSystemReader(found), no_dist=True)
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata={"step": str(meta["step"])})
     return Path(out)

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 from loom.errors import CheckpointError
 
@@ -104,3 +105,15 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.write_text(json.dumps(value))
+
+
+def read_json(path: Path) -> Any:
+    """A checkpoint's JSON file; a damaged or missing one is an error naming it."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable ({error})") from error

@@ -9,7 +9,9 @@ them with ``weights_only=True``); everything else goes to JSON.
 from __future__ import annotations
 
 import pickle
-from typing import Any
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -49,6 +51,14 @@ class SafeFileSystemReader(FileSystemReader):
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+@contextmanager
+def quiet() -> Iterator[None]:
+    """DCP warns when it runs without a process group; for one replica that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def read_index(path: Any) -> Metadata:

@@ -50,9 +50,8 @@ def collect(state: dict[str, Any]) -> tuple[Tree, Tree, dict[str, str]]:
     return tensors, plain, kinds
 
 
-def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree) -> dict[str, Any]:
-    """Load ``loaded`` into the user's objects in place; return the plain values."""
-    values = {}
+def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree) -> None:
+    """Load ``loaded`` into the user's objects in place (plain values come back from ``restore``)."""
     for name, value in state.items():
         kind = kinds.get(name)
         if kind is None:
@@ -65,9 +64,6 @@ def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree) -> dict[st
             value.load_state_dict(loaded[name])
         elif kind == "tensor":
             value.copy_(loaded[name])
-        else:
-            values[name] = loaded[name]
-    return values
 
 
 def split(tree: Any, where: str) -> tuple[Any, Any]:
