@@ -66,14 +66,10 @@ class ParameterServer:
             return {"version": self.version}, {name: self._read(name) for name in fields["names"]}
         if op == "pull_rows":
             table = fields["table"]
-            with self._locks[table]:
-                return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]].clone()}
+            with self._locks[table]:  # indexing by a tensor copies the rows
+                return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]]}
         if op == "push":
-            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"))
-            if "index" in fields:
-                with self._seq_lock:
-                    key = str(fields["index"])
-                    self.progress[key] = max(self.progress.get(key, 0), fields["step"])
+            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"), fields.get("index"))
             return {"applied": applied}, {}
         if op == "tick":
             return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
@@ -122,7 +118,9 @@ class ParameterServer:
             live = [c for c, seen in self.clocks.values() if now - seen <= lease]
         return {"min_clock": min(live)}
 
-    def _push(self, worker: str, seq: int, tensors: dict[str, torch.Tensor], based_on: int | None = None) -> bool:
+    def _push(
+        self, worker: str, seq: int, tensors: dict[str, torch.Tensor], based_on: int | None = None, index: int | None = None
+    ) -> bool:
         """Apply one push once: a retry of a push already applied is acknowledged and ignored.
 
         Everything is checked before anything is applied, so a bad push changes nothing.
@@ -151,6 +149,8 @@ class ParameterServer:
             if based_on is not None:
                 stale = self.version - based_on
                 self.staleness[stale] = self.staleness.get(stale, 0) + 1
+            if index is not None:  # a worker's sequence numbers count its steps
+                self.progress[str(index)] = max(self.progress.get(str(index), 0), seq + 1)
             self.version += 1
         return True
 

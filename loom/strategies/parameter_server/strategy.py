@@ -49,8 +49,9 @@ class RemoteEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         unique, local_ids = torch.unique(ids, return_inverse=True)
-        rows = self.variables.pull_rows(self.name, unique).requires_grad_()
-        self.touched.append((unique, rows))
+        rows = self.variables.pull_rows(self.name, unique)
+        if torch.is_grad_enabled():  # kept for the push; evaluation keeps nothing
+            self.touched.append((unique, rows.requires_grad_()))
         if self.bag:
             return F.embedding_bag(local_ids, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
         return F.embedding(local_ids, rows)
@@ -76,14 +77,12 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         inner: torch.optim.Optimizer,
         model: nn.Module,
         variables: ShardedVariables,
-        index: int,
         workers: int,
         staleness: int | None,
     ) -> None:
         self.optimizer = inner
         self.model = model
         self.variables = variables
-        self.index = index
         self.workers = workers
         self.staleness = staleness
         self.dense = {n: p for n, p in model.named_parameters()}
@@ -106,7 +105,7 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
         self.variables.push(dense, rows)
         if self.staleness is not None:
-            self.variables.wait_for_peers(self.index, self.workers, self.staleness)
+            self.variables.wait_for_peers(self.workers, self.staleness)
         for name, value in self.variables.pull_dense(list(self.dense)).items():
             self.dense[name].copy_(value)
 
@@ -185,7 +184,7 @@ class ParameterServerStrategy(Strategy):
                                   {n: (t.shape[1], self.worker) for n, t in initial.items() if t.is_meta})  # fmt: skip
         else:
             self._wait_until_created(clients)
-        opt = ParameterServerOptimizer(inner, model, self.variables, self.worker, self.num_workers, self.staleness)
+        opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return model, opt

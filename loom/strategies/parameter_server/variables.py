@@ -22,8 +22,7 @@ class ShardedVariables:
         self.placement = placement
         self.worker = worker
         self.index = index
-        self.seq = 0
-        self.clock = 0  # steps pushed
+        self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
 
@@ -93,9 +92,10 @@ class ShardedVariables:
         requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
         def share(server: int) -> dict[str, torch.Tensor]:
-            fields = {"op": "push", "worker": self.worker, "seq": self.seq, "based_on": self.versions.get(server),
-                      "index": self.index, "step": self.clock + 1}  # fmt: skip
-            return requests.setdefault(server, (fields, {}))[1]
+            if server not in requests:
+                fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock}
+                requests[server] = ({**fields, "based_on": self.versions.get(server)}, {})
+            return requests[server][1]
 
         for name, grad in dense_grads.items():
             share(self.placement.dense[name])[f"grad/{name}"] = grad
@@ -105,13 +105,12 @@ class ShardedVariables:
                     share(s)[f"rowids/{name}"] = local
                     share(s)[f"rowgrad/{name}"] = grads[positions]
         self._fan_out(requests)
-        self.seq += 1
         self.clock += 1
 
-    def wait_for_peers(self, index: int, workers: int, staleness: int, lease: float = 30.0) -> None:
+    def wait_for_peers(self, workers: int, staleness: int, lease: float = 30.0) -> None:
         """Block while this worker is more than ``staleness`` steps ahead of the slowest live one."""
         while True:
-            request = {"op": "tick", "worker": index, "clock": self.clock, "workers": workers, "lease": lease}
+            request = {"op": "tick", "worker": self.index, "clock": self.clock, "workers": workers, "lease": lease}
             fields, _ = self.clients[0].call(request)
             if self.clock - fields["min_clock"] <= staleness:
                 return

@@ -197,3 +197,13 @@ def test_under_scope_no_worker_allocates_a_table(servers):
         losses.append(loss.item())
     assert sum(losses[-10:]) < sum(losses[:10])
     strategy.shutdown()
+
+
+def test_evaluation_keeps_no_pulled_rows(servers):
+    strategy = ParameterServerStrategy(servers, token="job-token")
+    model, _ = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
+    with torch.no_grad():
+        for ids, _ in batches(5):
+            model(ids)
+    assert model.bag.touched == []  # rows pulled for evaluation are not held for a push
+    strategy.shutdown()
