@@ -98,10 +98,11 @@ class HealthMonitor:
         store = self._connect()  # a client of its own: the main thread may be using the other
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
+        members: dict[int, dict] = {}  # rank -> host and pid, read once each
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
-                silent = self._silent_peers(store, heard)
+                silent = self._silent_peers(store, heard, members)
                 self._contact = time.monotonic()
             except Exception:  # unreachable: _watch_contact decides when that is fatal
                 silent = []
@@ -120,20 +121,25 @@ class HealthMonitor:
                     post=False,
                 )
 
-    def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]]) -> list[str]:
+    def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict]) -> list[str]:
         now, silent = time.monotonic(), []
         for r in range(self.spec.world_size):
-            if r == self.spec.rank or not store.check([self._key("member", r)]) or store.check([self._key("done", r)]):
+            if r == self.spec.rank:
+                continue
+            if r not in members:
+                if not store.check([self._key("member", r)]):
+                    continue  # not started yet
+                members[r] = json.loads(store.get(self._key("member", r)))
+            if store.check([self._key("done", r)]):
                 continue
             beats = store.add(self._key("beat", r), 0)
             last = heard.get(r)
             if last is None or last[0] != beats:
                 heard[r] = (beats, now)
             elif now - last[1] > self.silence_limit:
-                info = json.loads(store.get(self._key("member", r)))
-                state = "died" if info["host"] == self.host and not _pid_alive(info["pid"]) else (
-                    f"stopped responding (no heartbeat for {self.silence_limit:g}s)")  # fmt: skip
-                silent.append(f"rank {r} ({info['host']}, pid {info['pid']}) {state}")
+                info = members[r]
+                gone = info["host"] == self.host and not _pid_alive(info["pid"])
+                silent.append(f"{_where(r, info)} {'died' if gone else _silent_for(self.silence_limit)}")
         return silent
 
     def _give_up(self, reason: str, post: bool = True) -> None:
@@ -180,22 +186,18 @@ class HealthMonitor:
         # Ranks that stopped because of another one are not the cause: look past them.
         suspects = {r: info for r, info in members.items() if info and not self._store.check([self._key("victim", r)])}
 
-        def where(r: int) -> str:
-            return f"rank {r} ({suspects[r]['host']}, pid {suspects[r]['pid']})"
-
         found: list[str] = []
         for r, info in suspects.items():
             notice = self._key("failed", r)
             if self._store.check([notice]):
-                found.append(f"{where(r)} failed: {self._store.get(notice).decode()}")
+                found.append(f"{_where(r, info)} failed: {self._store.get(notice).decode()}")
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
-                found.append(f"{where(r)} died")
+                found.append(f"{_where(r, info)} died")
         if not found and sample_heartbeats:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)
             after = self._beats(list(suspects))
-            silent = f"stopped responding (no heartbeat for {2.5 * self.interval:.1f}s)"
-            found = [f"{where(r)} {silent}" for r in suspects if after[r] == before[r]]
+            found = [f"{_where(r, info)} {_silent_for(2.5 * self.interval)}" for r, info in suspects.items() if after[r] == before[r]]
         never = [str(r) for r, info in members.items() if info is None]
         if not found and never:
             found.append(f"rank(s) {', '.join(never)} never joined the job")
@@ -227,6 +229,14 @@ class HealthMonitor:
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
         _say(f"loom: rank {self.spec.rank} on {self.host} {why}")
         os._exit(RankFailureError.EXIT_CODE if reason else 128 + signal.SIGTERM)
+
+
+def _where(rank: int, member: dict) -> str:
+    return f"rank {rank} ({member['host']}, pid {member['pid']})"
+
+
+def _silent_for(seconds: float) -> str:
+    return f"stopped responding (no heartbeat for {seconds:g}s)"
 
 
 def resolve_silence_limit() -> float:
