@@ -185,7 +185,7 @@ def test_a_parameter_server_checkpoint_restores_into_mirrored(tmp_path):
 
     from loom.strategies.parameter_server import ParameterServer, ParameterServerStrategy
     from tests.helpers import free_port
-    from tests.scripts.restore_clicks import Clicks
+    from tests.scripts.clicks import Clicks
 
     servers = [ParameterServer("job") for _ in range(2)]
     strategy = ParameterServerStrategy([f"127.0.0.1:{s.serve(free_port())}" for s in servers], token="job")

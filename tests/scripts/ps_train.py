@@ -13,26 +13,15 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import loom
-
-
-class Clicks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.bag = nn.EmbeddingBag(1000, 8, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def forward(self, ids):
-        return self.mlp(self.bag(ids)).squeeze(1)
+from tests.scripts.clicks import Clicks
 
 
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     strategy = loom.auto_strategy()
-    model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.Adagrad(p, lr=0.1))
+    model, opt = strategy.prepare(Clicks(rows=1000), lambda p: torch.optim.Adagrad(p, lr=0.1))
     g = torch.Generator().manual_seed(strategy.replica_id)
     for step in range(1, steps + 1):
         ids = torch.randint(0, 1000, (32, 5), generator=g)

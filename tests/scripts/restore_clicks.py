@@ -6,26 +6,15 @@
 import sys
 
 import torch
-from torch import nn
 
 import loom
-
-
-class Clicks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.bag = nn.EmbeddingBag(50, 8, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def forward(self, ids):
-        return self.mlp(self.bag(ids)).squeeze(1)
+from tests.scripts.clicks import Clicks
 
 
 def main() -> None:
     directory, reference = sys.argv[1:3]
     strategy = loom.auto_strategy()
-    torch.manual_seed(123)
-    model, _ = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
+    model, _ = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))  # untrained: restore overwrites it
     saved = strategy.restore(directory, model=model)
     expected = torch.load(reference)
     got = loom.unwrap(model).state_dict()

@@ -6,22 +6,11 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from tests.helpers import free_port
-
-
-class Clicks(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.bag = nn.EmbeddingBag(50, 8, mode="sum")
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def forward(self, ids):
-        return self.mlp(self.bag(ids)).squeeze(1)
+from tests.scripts.clicks import Clicks
 
 
 def batches(n, seed=0):
@@ -29,6 +18,15 @@ def batches(n, seed=0):
     for _ in range(n):
         ids = torch.randint(0, 50, (16, 5), generator=g)
         yield ids, (ids % 7 == 0).any(1).float()
+
+
+def _run_workers(work, count=2):
+    """``work(worker)`` on ``count`` threads at once, as workers of one job."""
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
 
 
 @pytest.fixture
@@ -79,11 +77,7 @@ def test_two_workers_train_on_their_own_and_the_loss_falls(servers):
         losses[worker] = seen
         strategy.shutdown()
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _run_workers(work)
     for worker, seen in losses.items():
         assert sum(seen[-10:]) < 0.7 * sum(seen[:10]), f"worker {worker}: {seen[:3]} ... {seen[-3:]}"
     assert len(losses) == 2
@@ -114,11 +108,7 @@ def _race(servers, staleness, steps=30):
                 finished.append(worker)
         strategy.shutdown()
 
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    _run_workers(work)
     assert len(finished) == 2 * steps
     return finished
 
