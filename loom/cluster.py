@@ -107,11 +107,33 @@ class TorchrunEnvironment:
         return spec
 
 
+TF_CONFIG_FORM = 'expected {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
+
+
+def read_tf_config(env: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """TF_CONFIG's ``cluster`` and ``task`` objects, or an error that shows the expected form."""
+    env = os.environ if env is None else env
+    try:
+        config = json.loads(env["TF_CONFIG"])
+    except json.JSONDecodeError as exc:
+        raise ClusterError(f"TF_CONFIG is not valid JSON ({exc.msg} at char {exc.pos}); {TF_CONFIG_FORM}") from None
+    if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict) or not isinstance(
+        config.get("task"), dict
+    ):
+        raise ClusterError(f"TF_CONFIG lacks a 'cluster' or 'task' object; {TF_CONFIG_FORM}")
+    cluster = config["cluster"]
+    for role, entries in cluster.items():
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise ClusterError(f"TF_CONFIG cluster.{role} must be a list of 'host:port' strings")
+    return cluster, config["task"]
+
+
 class TFConfigEnvironment:
     """TensorFlow's ``TF_CONFIG`` so TF users keep their cluster files.
 
     Every ``chief`` and ``worker`` entry is one node; the chief (or worker 0) is the master.
     The port in an entry is the rendezvous port of that node's agent; only the master's is used.
+    A cluster with ``ps`` entries is a parameter-server job (``ParameterServerCluster``).
     """
 
     @staticmethod
@@ -121,26 +143,10 @@ class TFConfigEnvironment:
 
     @staticmethod
     def resolve(env: dict[str, str] | None = None) -> NodeSpec:
-        env = os.environ if env is None else env
-        text = env["TF_CONFIG"]
-        expected = 'expected {"cluster": {"worker": ["host:port", ...]}, "task": {"type": "worker", "index": 0}}'
-        try:
-            config = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ClusterError(f"TF_CONFIG is not valid JSON ({exc.msg} at char {exc.pos}); {expected}") from None
-        if not isinstance(config, dict) or not isinstance(config.get("cluster"), dict) or not isinstance(
-            config.get("task"), dict
-        ):
-            raise ClusterError(f"TF_CONFIG lacks a 'cluster' or 'task' object; {expected}")
-        cluster, task = config["cluster"], config["task"]
-        nodes: list[tuple[str, int]] = []
-        for role in ("chief", "worker"):
-            entries = cluster.get(role, [])
-            if not isinstance(entries, list):
-                raise ClusterError(f"TF_CONFIG cluster.{role} must be a list of 'host:port' strings")
-            nodes += [(role, i) for i in range(len(entries))]
+        cluster, task = read_tf_config(env)
+        nodes = [(role, i) for role in ("chief", "worker") for i in range(len(cluster.get(role, [])))]
         if not nodes:
-            raise ClusterError(f"TF_CONFIG names no 'chief' or 'worker' hosts; {expected}")
+            raise ClusterError(f"TF_CONFIG names no 'chief' or 'worker' hosts; {TF_CONFIG_FORM}")
         me = (task.get("type"), task.get("index", 0))
         if me not in nodes:
             roles = ", ".join(f"{r}[{i}]" for r, i in nodes)
@@ -154,6 +160,88 @@ class TFConfigEnvironment:
             master_port=master_port,
             hosts=tuple(a.rpartition(":")[0] for a in addrs),
             source="TF_CONFIG",
+        )
+
+
+@dataclass(frozen=True)
+class ParameterServerCluster:
+    """One process's place in a parameter-server job that spans machines.
+
+    Workers are numbered from 0, and worker 0 is the chief: TF_CONFIG's ``chief`` entry (when
+    there is one) is worker 0 and its ``worker`` entries follow. Workers listen on nothing, so
+    only the servers' addresses matter.
+    """
+
+    servers: tuple[str, ...]  # host:port of every parameter server, in order
+    workers: int  # the chief included
+    role: str  # "ps" or "worker"
+    index: int
+    source: str = "flags"
+
+    def __post_init__(self) -> None:
+        for address in self.servers:
+            parse_endpoint(address, what=f"parameter server address ({self.source})")
+        if not self.servers:
+            raise ClusterError(f"a parameter-server job needs at least one server address ({self.source})")
+        if self.workers < 1:
+            raise ClusterError(f"a parameter-server job needs at least one worker ({self.source})")
+        if self.role not in ("ps", "worker"):
+            raise ClusterError(f"role {self.role!r} is not 'ps' or 'worker' ({self.source})")
+        count = len(self.servers) if self.role == "ps" else self.workers
+        if not 0 <= self.index < count:
+            raise ClusterError(
+                f"{self.role} index {self.index} is outside 0..{count - 1}: the job has {count} {self.role} "
+                f"task(s) ({self.source}); give each a distinct index below that"
+            )
+
+    @property
+    def address(self) -> str:
+        """A server's own ``host:port``: it listens there, and nowhere else."""
+        return self.servers[self.index]
+
+    @staticmethod
+    def from_tf_config(env: dict[str, str] | None = None) -> ParameterServerCluster | None:
+        """The job TF_CONFIG describes when it has ``ps`` entries; None otherwise."""
+        env = os.environ if env is None else env
+        if not env.get("TF_CONFIG"):
+            return None
+        cluster, task = read_tf_config(env)
+        if not cluster.get("ps"):
+            return None
+        kind, index = task.get("type"), task.get("index", 0)
+        if kind == "evaluator":
+            raise ClusterError("TF_CONFIG task 'evaluator': loom runs no side-car evaluator; evaluate on the chief (worker 0)")
+        chiefs = len(cluster.get("chief", []))
+        if chiefs > 1:
+            raise ClusterError(f"TF_CONFIG lists {chiefs} chiefs; a job has one")
+        if kind == "chief" and index != 0:
+            raise ClusterError(f"TF_CONFIG task chief[{index}]: there is one chief, index 0")
+        if kind not in ("ps", "worker", "chief"):
+            raise ClusterError(f"TF_CONFIG task type {kind!r} is not 'ps', 'worker' or 'chief'")
+        if kind == "worker":
+            index += chiefs
+        return ParameterServerCluster(
+            servers=tuple(cluster["ps"]),
+            workers=chiefs + len(cluster.get("worker", [])),
+            role="ps" if kind == "ps" else "worker",
+            index=index,
+            source="TF_CONFIG",
+        )
+
+    @staticmethod
+    def resolve(
+        ps_hosts: str | None = None, workers: int | None = None, role: str | None = None, index: int | None = None
+    ) -> ParameterServerCluster | None:
+        """From ``--ps-hosts``/``--role``/``--index``/``--workers``, else TF_CONFIG; None if neither."""
+        if ps_hosts is None and role is None:
+            return ParameterServerCluster.from_tf_config()
+        if ps_hosts is None or role is None or workers is None:
+            raise ClusterError(
+                "a parameter-server job across machines needs --ps-hosts HOST:PORT,..., --workers N and "
+                "--role ps|worker (with --index I) on every machine"
+            )
+        return ParameterServerCluster(
+            servers=tuple(a for a in ps_hosts.split(",") if a), workers=workers, role=role, index=index or 0
         )
 
 

@@ -9,6 +9,7 @@ import queue
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -99,11 +100,17 @@ def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float 
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float = 120.0) -> list[tuple[int, str, str]]:
-    """(returncode, stdout, stderr) of each process; kills them all if any outlives ``timeout``."""
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    """(returncode, stdout, stderr) of each process; one that outlives ``timeout`` is killed (its
+    whole process group when it leads one), so the test fails on its code, with its output."""
+    deadline = time.monotonic() + timeout
+    results = []
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            if os.getpgid(proc.pid) == proc.pid:
+                os.killpg(proc.pid, 9)
+            else:
+                proc.kill()
+        results.append((proc.wait(), *proc.communicate()))
+    return results

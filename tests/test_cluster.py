@@ -4,6 +4,7 @@ import pytest
 
 from loom.cluster import (
     NodeSpec,
+    ParameterServerCluster,
     SlurmEnvironment,
     TFConfigEnvironment,
     TorchrunEnvironment,
@@ -70,3 +71,49 @@ def test_flags_win_and_are_checked(monkeypatch):
         resolve_node(nnodes=2, node_rank=0)
     with pytest.raises(ClusterError, match="not HOST:PORT"):
         parse_endpoint("h:99999")
+
+
+def ps_config(task_type, index, chief=True):
+    cluster = {"ps": ["10.0.0.1:2222", "10.0.0.2:2222"], "worker": ["10.0.0.3:2222", "10.0.0.4:2222"]}
+    return {"TF_CONFIG": json.dumps({"cluster": {**cluster, **({"chief": ["10.0.0.5:2222"]} if chief else {})},
+                                     "task": {"type": task_type, "index": index}})}  # fmt: skip
+
+
+def test_parameter_server_roles_from_tf_config_and_from_flags_agree(monkeypatch):
+    servers = ("10.0.0.1:2222", "10.0.0.2:2222")
+    assert ParameterServerCluster.from_tf_config(ps_config("ps", 1)) == ParameterServerCluster(servers, 3, "ps", 1, "TF_CONFIG")
+    assert ParameterServerCluster.from_tf_config(ps_config("chief", 0)).index == 0  # the chief is worker 0
+    assert ParameterServerCluster.from_tf_config(ps_config("worker", 1)) == ParameterServerCluster(servers, 3, "worker", 2, "TF_CONFIG")
+    assert ParameterServerCluster.from_tf_config(ps_config("worker", 1, chief=False)).index == 1  # no chief: worker 0 is
+    assert ParameterServerCluster.from_tf_config({"TF_CONFIG": tf_config()}) is None  # no ps: a MultiWorkerMirrored cluster
+    flags = ParameterServerCluster.resolve(",".join(servers), 3, "worker", 2)
+    assert (flags.servers, flags.workers, flags.role, flags.index, flags.source) == (servers, 3, "worker", 2, "flags")
+    assert ParameterServerCluster.resolve(",".join(servers), 3, "ps", None).address == "10.0.0.1:2222"
+    monkeypatch.setenv("TF_CONFIG", ps_config("ps", 0)["TF_CONFIG"])
+    assert ParameterServerCluster.resolve().role == "ps"
+    monkeypatch.delenv("TF_CONFIG")
+    assert ParameterServerCluster.resolve() is None
+
+
+@pytest.mark.parametrize(
+    "task, message",
+    [
+        (("evaluator", 0), "loom runs no side-car evaluator; evaluate on the chief"),
+        (("ps", 2), r"ps index 2 is outside 0..1: the job has 2 ps task\(s\) \(TF_CONFIG\)"),
+        (("worker", 2), r"worker index 3 is outside 0..2"),
+        (("chief", 1), r"task chief\[1\]: there is one chief"),
+        (("master", 0), "task type 'master' is not 'ps', 'worker' or 'chief'"),
+    ],
+)
+def test_bad_parameter_server_tasks_are_named(task, message):
+    with pytest.raises(ClusterError, match=message):
+        ParameterServerCluster.from_tf_config(ps_config(*task))
+
+
+def test_bad_parameter_server_flags_are_named():
+    with pytest.raises(ClusterError, match="needs --ps-hosts HOST:PORT,..., --workers N and --role ps|worker"):
+        ParameterServerCluster.resolve(None, 2, "worker", 0)
+    with pytest.raises(ClusterError, match=r"parameter server address \(flags\) 'h1' is not HOST:PORT"):
+        ParameterServerCluster.resolve("h1,h2:1", 2, "worker", 0)
+    with pytest.raises(ClusterError, match="needs at least one worker"):
+        ParameterServerCluster.resolve("h:1", 0, "worker", 0)

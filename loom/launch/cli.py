@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from loom.cluster import TorchrunEnvironment
+from loom.cluster import ParameterServerCluster, TorchrunEnvironment
 from loom.comm.process_group import default_backend, resolve_timeout
 from loom.devices import available_cores, cuda_count
-from loom.errors import LoomError
-from loom.launch.parameter_server import run_parameter_server_job
+from loom.errors import LaunchError, LoomError
+from loom.launch.parameter_server import run_parameter_server_job, run_parameter_server_task
 from loom.launch.torchrun import LaunchOptions, run_job
 
 
@@ -42,8 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = commands.add_parser("run", help="run a training script as a job of one process per replica")
     _add_launch_options(run)
     run.add_argument("-m", "--module", action="store_true", help="treat SCRIPT as a module name, like python -m")
-    run.add_argument("--ps", type=int, help="start this many parameter servers (asynchronous training; with --workers)")
-    run.add_argument("--workers", type=int, help="parameter-server workers, each restarted alone on failure (with --ps)")
+    run.add_argument("--ps", type=int, help="start this many parameter servers here (asynchronous training; with --workers)")
+    run.add_argument("--workers", type=int, help="parameter-server workers, the chief (worker 0) included; each restarted alone on failure")
+    run.add_argument("--ps-hosts", help="across machines: every parameter server's HOST:PORT, comma-separated, the same everywhere")
+    run.add_argument("--role", choices=("ps", "worker"), help="across machines: what this machine runs (with --ps-hosts and --workers)")
+    run.add_argument("--index", type=int, help="across machines: which server or worker this is (default 0; worker 0 is the chief)")
     run.add_argument("--staleness", type=int, help="keep each worker within this many steps of the slowest (with --ps; 0: lockstep)")
     run.add_argument("--ps-checkpoint-dir", help="where parameter servers save their state (with --ps; default: a temporary directory)")
     run.add_argument("script", help="the training script (or module with -m)")
@@ -85,6 +88,16 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
 
 def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
     """What ``loom run`` with these options would resolve on this machine (or, in a worker, what it did)."""
+    ps = ParameterServerCluster.from_tf_config()
+    if ps is not None:
+        task = f", listening on {ps.address}" if ps.role == "ps" else " (the chief)" if ps.index == 0 else ""
+        return [
+            ("cluster from", f"{ps.source} (parameter servers)"),
+            ("this task", f"{ps.role} {ps.index}{task}"),
+            ("parameter servers", ", ".join(ps.servers)),
+            ("workers", f"{ps.workers} (worker 0 is the chief)"),
+            ("devices", f"CPU, {available_cores()} core(s)"),
+        ]
     node = opts.node()
     nproc = opts.processes()
     gpus = cuda_count()
@@ -124,10 +137,16 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        if args.ps is not None or args.workers is not None:
-            return run_parameter_server_job(
-                entry, args.ps or 0, args.workers or 0, opts.max_restarts, args.staleness, args.ps_checkpoint_dir
-            )
+        ps_options = (opts.max_restarts, args.staleness, args.ps_checkpoint_dir)
+        if args.ps is not None:
+            if args.ps_hosts or args.role:
+                raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")
+            return run_parameter_server_job(entry, args.ps, args.workers or 0, *ps_options)
+        cluster = ParameterServerCluster.resolve(args.ps_hosts, args.workers, args.role, args.index)
+        if cluster is not None:
+            return run_parameter_server_task(entry, cluster, *ps_options)
+        if args.workers is not None:
+            raise LaunchError("--workers is for parameter-server jobs: add --ps N (one machine) or --ps-hosts and --role (across machines)")
         return run_job(entry, opts)
     except LoomError as exc:
         print(f"loom: error: {exc}", file=sys.stderr)

@@ -1,10 +1,12 @@
-"""``loom run --ps N --workers M``: parameter servers and independent workers on this machine.
+"""Parameter-server jobs: ``loom run --ps N --workers M`` on one machine, or one task of a job across machines.
 
 The workers are not one torchrun group: in asynchronous training a worker that dies must not
 stop the others. Each is a process of its own, restarted on failure up to ``--max-restarts``
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
-The servers listen on loopback, every request carries a token made for this job, and each
-server saves its state every few seconds, so one that dies is restarted where it was.
+Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
+every machine otherwise). Each server saves its state every few seconds, so one that dies is
+restarted where it was; when a worker is done for good its launcher tells every server, and
+the servers exit once all workers are done.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from loom.cluster import ParameterServerCluster, parse_endpoint
 from loom.devices import available_cores
-from loom.errors import LaunchError
-
+from loom.errors import LaunchError, LoomError
 
 SERVER_SAVE_SECONDS = 2.0
+SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
+TOKEN_HELP = "set the same secret in LOOM_PS_TOKEN on every machine (make one with: python -c 'import secrets; print(secrets.token_hex(16))')"
 
 
 def _die_with_parent() -> None:
@@ -41,6 +45,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _say(message: str) -> None:
+    print(f"loom: {message}", file=sys.stderr, flush=True)
+
+
 def run_parameter_server_job(
     entry: list[str],
     servers: int,
@@ -49,75 +57,144 @@ def run_parameter_server_job(
     staleness: int | None = None,
     checkpoint_dir: str | None = None,
 ) -> int:
-    """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers.
+    """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers, all here.
 
-    Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
-    directory by default); one that dies is restarted from it, up to ``max_restarts`` times.
+    The servers listen on loopback. Each saves its state every few seconds under
+    ``checkpoint_dir`` (a temporary directory by default); one that dies is restarted from it,
+    up to ``max_restarts`` times.
     """
     if servers < 1 or workers < 1:
         raise LaunchError(f"a parameter-server job needs at least one server and one worker (got --ps {servers} --workers {workers})")
-    threads = str(max(1, available_cores() // workers))
-    env = {**os.environ, "LOOM_PS_TOKEN": secrets.token_hex(16), "OMP_NUM_THREADS": threads, "LOOM_THREADS": threads}
-    ports = [_free_port() for _ in range(servers)]
-    state_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
-    state_dir.mkdir(parents=True, exist_ok=True)
+    cluster = [f"127.0.0.1:{_free_port()}" for _ in range(servers)]
+    job = _Job(entry, cluster, workers, secrets.token_hex(16), max_restarts, staleness, checkpoint_dir)
+    return job.run(servers_here=list(range(servers)), workers_here=list(range(workers)))
 
-    def serve(i: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(ports[i]), "--index", str(i),
-                   "--checkpoint", str(state_dir / f"server-{i}.safetensors"), "--checkpoint-every", str(SERVER_SAVE_SECONDS)]  # fmt: skip
-        return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
 
-    server_procs = [serve(i) for i in range(servers)]
-    server_restarts = [0] * servers
-    env["LOOM_PS_SERVERS"] = ",".join(f"127.0.0.1:{p}" for p in ports)
-    env["LOOM_PS_WORKERS"] = str(workers)
-    if staleness is not None:
-        env["LOOM_PS_STALENESS"] = str(staleness)
+def run_parameter_server_task(
+    entry: list[str],
+    cluster: ParameterServerCluster,
+    max_restarts: int = 0,
+    staleness: int | None = None,
+    checkpoint_dir: str | None = None,
+) -> int:
+    """Run this machine's task of a job across machines: one server, or one worker.
 
-    def start(worker: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "loom.launch.worker", *entry]
-        return subprocess.Popen(command, env={**env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
+    A server listens on its own address from the cluster (and nowhere else) and exits when
+    every worker is done; a worker's launcher ends when its worker is done for good.
+    """
+    token = os.environ.get("LOOM_PS_TOKEN")
+    if not token:
+        raise LaunchError(f"LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; {TOKEN_HELP}")
+    job = _Job(entry, list(cluster.servers), cluster.workers, token, max_restarts, staleness, checkpoint_dir)
+    if cluster.role == "ps":
+        return job.run(servers_here=[cluster.index], workers_here=[])
+    return job.run(servers_here=[], workers_here=[cluster.index])
 
-    running = {w: start(w) for w in range(workers)}
-    restarts = dict.fromkeys(running, 0)
-    failed: dict[int, int] = {}
-    try:
-        while running:
-            time.sleep(0.2)
-            for i, proc in enumerate(server_procs):
-                if proc.poll() is None:
-                    continue
-                where = f"parameter server {i} (127.0.0.1:{ports[i]}, pid {proc.pid}) exited with code {proc.returncode}"
-                if server_restarts[i] >= max_restarts:
-                    print(f"loom: job failed: {where}", file=sys.stderr, flush=True)
-                    return 1
-                server_restarts[i] += 1
-                print(f"loom: {where}; restarting it from its checkpoint ({server_restarts[i]} of {max_restarts}); the workers wait for it", file=sys.stderr, flush=True)  # fmt: skip
-                server_procs[i] = serve(i)
-            for worker, proc in list(running.items()):
-                code = proc.poll()
-                if code is None:
-                    continue
-                del running[worker]
-                if code == 0:
-                    continue
-                if restarts[worker] < max_restarts:
-                    restarts[worker] += 1
-                    print(f"loom: worker {worker} (pid {proc.pid}) exited with code {code}; restarting it ({restarts[worker]} of {max_restarts}), the others go on", file=sys.stderr, flush=True)  # fmt: skip
-                    running[worker] = start(worker)
-                else:
-                    failed[worker] = code
-    finally:
-        for proc in [*running.values(), *server_procs]:
-            if proc.poll() is None:
-                proc.terminate()  # servers save their state on SIGTERM
-        for proc in [*running.values(), *server_procs]:
+
+class _Job:
+    """Starts this machine's servers and workers, restarts the ones that fail, and ends them."""
+
+    def __init__(
+        self,
+        entry: list[str],
+        servers: list[str],
+        workers: int,
+        token: str,
+        max_restarts: int,
+        staleness: int | None,
+        checkpoint_dir: str | None,
+    ) -> None:
+        self.entry = entry
+        self.servers = servers
+        self.workers = workers
+        self.token = token
+        self.max_restarts = max_restarts
+        self.state_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
+        self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
+        if staleness is not None:
+            self.env["LOOM_PS_STALENESS"] = str(staleness)
+
+    def _serve(self, index: int, restarted: bool) -> subprocess.Popen:
+        host, port = parse_endpoint(self.servers[index], what="parameter server address")
+        command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--host", host, "--port", str(port),
+                   "--index", str(index), "--workers", str(self.workers),
+                   "--checkpoint", str(self.state_dir / f"server-{index}.safetensors"),
+                   "--checkpoint-every", str(SERVER_SAVE_SECONDS)] + (["--restarted"] if restarted else [])  # fmt: skip
+        return subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
+
+    def _start(self, worker: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
+        return subprocess.Popen(command, env={**self.env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
+
+    def _tell_servers_finished(self, worker: int, code: int) -> None:
+        """So that the servers, which may be on other machines, know when the whole job is done."""
+        from loom.strategies.parameter_server.client import ServerClient
+
+        for address in self.servers:
+            client = ServerClient(address, self.token, deadline=10.0, patience=30.0)
             try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    if failed:
-        listed = ", ".join(f"worker {w} (code {c})" for w, c in sorted(failed.items()))
-        print(f"loom: job finished with failures: {listed}; the other workers completed", file=sys.stderr, flush=True)
-        return 1
-    return 0
+                client.call({"op": "finish", "worker": worker, "code": code})
+            except LoomError as error:
+                _say(f"could not tell {address} that worker {worker} finished ({error}); it serves until stopped")
+            finally:
+                client.close()
+
+    def run(self, servers_here: list[int], workers_here: list[int]) -> int:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        threads = str(max(1, available_cores() // max(1, len(workers_here))))
+        self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
+        serving = {i: self._serve(i, restarted=False) for i in servers_here}
+        server_restarts = dict.fromkeys(serving, 0)
+        running = {w: self._start(w) for w in workers_here}
+        restarts = dict.fromkeys(running, 0)
+        failed: dict[int, int] = {}
+        workers_done_at: float | None = None
+        try:
+            while running or serving:
+                time.sleep(0.2)
+                for i, proc in list(serving.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del serving[i]
+                    if code == 0:
+                        continue  # every worker is done
+                    where = f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}"
+                    if server_restarts[i] >= self.max_restarts:
+                        _say(f"job failed: {where}")
+                        return 1
+                    server_restarts[i] += 1
+                    _say(f"{where}; restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")
+                    serving[i] = self._serve(i, restarted=True)
+                for worker, proc in list(running.items()):
+                    code = proc.poll()
+                    if code is None:
+                        continue
+                    del running[worker]
+                    if code != 0 and restarts[worker] < self.max_restarts:
+                        restarts[worker] += 1
+                        _say(f"worker {worker} (pid {proc.pid}) exited with code {code}; restarting it ({restarts[worker]} of {self.max_restarts}), the others go on")
+                        running[worker] = self._start(worker)
+                        continue
+                    if code != 0:
+                        failed[worker] = code
+                    self._tell_servers_finished(worker, code)
+                if workers_here and not running:
+                    workers_done_at = workers_done_at or time.monotonic()
+                    if time.monotonic() - workers_done_at > SERVER_EXIT_GRACE:
+                        break  # the servers missed a worker's end: stop them below (they save first)
+        finally:
+            for proc in [*running.values(), *serving.values()]:
+                if proc.poll() is None:
+                    proc.terminate()  # servers save their state on SIGTERM
+            for proc in [*running.values(), *serving.values()]:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        if failed:
+            listed = ", ".join(f"worker {w} (code {c})" for w, c in sorted(failed.items()))
+            others = "; the other workers completed" if len(workers_here) > len(failed) else ""
+            _say(f"job finished with failures: {listed}{others}")
+            return 1
+        return 0

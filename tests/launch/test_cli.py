@@ -16,6 +16,16 @@ def test_env_shows_what_a_launch_resolves(capsys, monkeypatch):
     assert rows["world size"] == "6" and rows["threads per process"] == "5"
 
 
+def test_env_shows_a_parameter_server_task(capsys, monkeypatch):
+    config = {"cluster": {"ps": ["10.1.0.1:2300"], "chief": ["10.1.0.2:1"], "worker": ["10.1.0.3:1"]}, "task": {"type": "ps", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    assert main(["env"]) == 0
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert rows["cluster from"] == "TF_CONFIG (parameter servers)"
+    assert rows["this task"] == "ps 0, listening on 10.1.0.1:2300"
+    assert rows["workers"] == "2 (worker 0 is the chief)"
+
+
 def test_launch_arguments_for_one_node_and_many():
     assert torchrun_argv(LaunchOptions(nproc=2), ["t.py"])[-4:] == ["--standalone", "-m", "loom.launch.worker", "t.py"]
     argv = torchrun_argv(LaunchOptions(nproc=2, nnodes=2, node_rank=1, master="10.0.0.9:1234"), ["-m", "pkg.train", "--lr", "1"])
@@ -33,3 +43,13 @@ def test_threads_are_split_between_local_processes(monkeypatch):
 def test_bad_cli_input_is_one_line(capsys):
     assert main(["env", "--nnodes", "2", "--node-rank", "5", "--master", "h:1"]) == 2
     assert capsys.readouterr().err == "loom: error: node rank 5 is outside 0..1 for a job of 2 node(s) (flags); give each node a distinct rank below nnodes\n"
+    assert main(["run", "--workers", "2", "x.py"]) == 2
+    assert capsys.readouterr().err.startswith("loom: error: --workers is for parameter-server jobs: add --ps N (one machine) or --ps-hosts")
+    assert main(["run", "--ps", "1", "--ps-hosts", "h:1", "--role", "ps", "x.py"]) == 2
+    assert "across machines use --ps-hosts and --role instead" in capsys.readouterr().err
+
+
+def test_a_job_across_machines_needs_its_token(capsys, monkeypatch):
+    monkeypatch.delenv("LOOM_PS_TOKEN", raising=False)
+    assert main(["run", "--ps-hosts", "127.0.0.1:1", "--workers", "1", "--role", "worker", "x.py"]) == 2
+    assert capsys.readouterr().err.startswith("loom: error: LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; set the same secret")

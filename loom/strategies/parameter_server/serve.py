@@ -3,7 +3,9 @@
 The job's token comes from ``LOOM_PS_TOKEN`` (not the command line, where other users of the
 machine could read it). With ``--checkpoint FILE`` the server saves its state every
 ``--checkpoint-every`` seconds and on SIGTERM, and a server started again resumes from it:
-the pushes since the last save are lost, those before it stay applied exactly once.
+the pushes since the last save are lost, those before it stay applied exactly once. With
+``--workers M`` it exits once every worker's launcher has said that worker is done for good;
+``--restarted`` (a restart within the same run) keeps what it knew of that from its checkpoint.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from loom.strategies.parameter_server.server import ParameterServer
 
@@ -24,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, default=0, help="this server's number in the job, for messages")
     parser.add_argument("--checkpoint", help="file to save the server's state to, and resume from")
     parser.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between saves")
+    parser.add_argument("--workers", type=int, help="exit once this many workers (and any that joined) have finished")
+    parser.add_argument("--restarted", action="store_true", help="a restart within this run: keep which workers finished")
     args = parser.parse_args(argv)
     token = os.environ.get("LOOM_PS_TOKEN")
     if not token:
@@ -31,15 +36,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     resumed = bool(args.checkpoint) and os.path.exists(args.checkpoint)
     server = ParameterServer.restore(token, args.checkpoint) if resumed else ParameterServer(token)
+    if not args.restarted:
+        server.new_run()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     port = server.serve(args.port, args.host)
     state = f" (resumed from {args.checkpoint}, {server.version} updates)" if resumed else ""
     print(f"loom: parameter server {args.index} listening on {args.host}:{port}{state}", flush=True)
-    while not stop.wait(args.checkpoint_every if args.checkpoint else None):
-        if server.created:
+    next_save = time.monotonic() + args.checkpoint_every
+    while not stop.wait(0.2):
+        if args.workers and server.all_finished(args.workers):
+            print(f"loom: parameter server {args.index}: every worker has finished; exiting", flush=True)
+            break
+        if args.checkpoint and server.created and time.monotonic() >= next_save:
             server.save(args.checkpoint)
+            next_save = time.monotonic() + args.checkpoint_every
     if args.checkpoint and server.created:
         server.save(args.checkpoint)
     server.stop()

@@ -50,6 +50,8 @@ class ParameterServer:
         self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
         self.clocks: dict[int, tuple[int, float]] = {}  # worker index -> (steps done, when last heard)
         self.progress: dict[str, int] = {}  # worker index -> steps it has pushed (for the chief's report)
+        self.joined: set[str] = set()  # worker indices that pushed in this run of the job
+        self.finished: dict[str, int] = {}  # worker index -> exit code, once its launcher says it is done for good
         self._last_seq: dict[str, int] = {}
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
@@ -73,6 +75,10 @@ class ParameterServer:
             return {"applied": applied}, {}
         if op == "tick":
             return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
+        if op == "finish":
+            with self._seq_lock:
+                self.finished[str(fields["worker"])] = fields["code"]
+            return {}, {}
         if op == "stats":
             clocks = {w: c for w, (c, _) in self.clocks.items()}
             stats = {"applied": dict(self.applied), "version": self.version, "staleness": self.staleness}
@@ -151,8 +157,19 @@ class ParameterServer:
                 self.staleness[stale] = self.staleness.get(stale, 0) + 1
             if index is not None:  # a worker's sequence numbers count its steps
                 self.progress[str(index)] = max(self.progress.get(str(index), 0), seq + 1)
+                self.joined.add(str(index))
             self.version += 1
         return True
+
+    def all_finished(self, workers: int) -> bool:
+        """Every worker of the job, and any that joined beyond them, is done for good."""
+        with self._seq_lock:
+            return {str(w) for w in range(workers)} | self.joined <= set(self.finished)
+
+    def new_run(self) -> None:
+        """A new run of the job from this state: no worker has joined or finished yet."""
+        with self._seq_lock:
+            self.joined, self.finished = set(), {}
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
         for key, value in tensors.items():
@@ -192,6 +209,9 @@ class ParameterServer:
                 "last_seq": self._last_seq,
                 "staleness": self.staleness,
                 "created": self.created,
+                "progress": self.progress,
+                "joined": sorted(self.joined),
+                "finished": self.finished,
             }
         finally:
             for lock in reversed(locks):
@@ -222,6 +242,7 @@ class ParameterServer:
         server.created = meta["created"]
         server.version, server.applied, server._last_seq = meta["version"], meta["applied"], meta["last_seq"]
         server.staleness = {int(k): v for k, v in meta["staleness"].items()}
+        server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
         return server
 
     # ---- serving -------------------------------------------------------------------------------

@@ -3,11 +3,10 @@
 Each worker runs the user's usual loop. ``prepare`` swaps embedding tables for remote ones
 and has the chief create every variable on the servers; a forward pass pulls only the rows
 its batch touches; ``optimizer.step()`` pushes the gradients (rows only, for tables) and
-pulls the latest dense parameters. Workers never wait for each other: a slow or lost worker
-does not hold the rest back.
-
-Status: the worker side of one job. Starting servers and roles from ``loom run``, bounded
-staleness, fault tolerance and visibility are the next steps of issue 5.
+pulls the latest dense parameters. Workers never wait for each other (unless ``staleness``
+bounds how far apart they may get): a slow or lost worker does not hold the rest back.
+``loom run --ps`` (one machine) or ``--ps-hosts``/TF_CONFIG (across machines) starts the
+servers and sets the variables this strategy reads.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -28,6 +28,7 @@ from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.variables import ShardedVariables
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
 
 
 class RemoteEmbedding(nn.Module):
@@ -138,7 +139,8 @@ class ParameterServerStrategy(Strategy):
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"staleness must be None (asynchronous) or a number of steps >= 0, got {self.staleness}")
         self.variables: ShardedVariables | None = None
-        self._last_report: tuple[float, dict[str, int]] = (time.monotonic(), {})
+        self.rate_window = RATE_WINDOW
+        self._samples: deque[tuple[float, dict[str, int]]] = deque([(time.monotonic(), {})])  # (when, steps per worker)
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -227,7 +229,8 @@ class ParameterServerStrategy(Strategy):
     def job_report(self) -> dict[str, float]:
         """The job as the servers see it: global step, updates/s, staleness, each worker's steps/s.
 
-        Rates are over the time since the previous call.
+        Rates are over the last ``rate_window`` seconds (since the start, early on), the same
+        whoever asks: the progress bar and TensorBoard do not reset each other's.
         """
         assert self.variables is not None
         stats = [c.call({"op": "stats"})[0] for c in self.variables.clients]
@@ -239,13 +242,15 @@ class ParameterServerStrategy(Strategy):
             for stale, count in server["staleness"].items():
                 staleness[int(stale)] = staleness.get(int(stale), 0) + count
         now, global_step = time.monotonic(), sum(progress.values())
-        last_time, last_progress = self._last_report
-        elapsed = max(now - last_time, 1e-9)
-        report = {"global_step": float(global_step), "updates_per_sec": (global_step - sum(last_progress.values())) / elapsed}
+        while len(self._samples) > 1 and now - self._samples[1][0] >= self.rate_window:
+            self._samples.popleft()  # the base: the newest sample at least a window old
+        since, before = self._samples[0]
+        self._samples.append((now, progress))
+        elapsed = max(now - since, 1e-9)
+        report = {"global_step": float(global_step), "updates_per_sec": (global_step - sum(before.values())) / elapsed}
         report.update(_percentiles(staleness))
         for worker, step in sorted(progress.items()):
-            report[f"worker{worker}_steps_per_sec"] = (step - last_progress.get(worker, 0)) / elapsed
-        self._last_report = (now, progress)
+            report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
     def reduce(self, value: Any, op: str = "mean") -> Any:

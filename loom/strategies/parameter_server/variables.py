@@ -76,15 +76,12 @@ class ShardedVariables:
         """Rows ``ids`` of ``table`` (ids unique), each from the server holding it."""
         parts = self.placement.rows_by_server(table, ids)
         requests = {s: ({"op": "pull_rows", "table": table}, {"ids": local}) for s, (_, local) in enumerate(parts) if len(local)}
-        replies = self._fan_out(requests)
-        rows = None
+        replies = self._fan_out(requests or {0: ({"op": "pull_rows", "table": table}, {"ids": ids})})  # no ids: asked for the row shape
+        first = next(iter(replies.values()))[1]["rows"]
+        rows = torch.empty(len(ids), *first.shape[1:], dtype=first.dtype)
         for s, (positions, _) in enumerate(parts):
             if s in replies:
-                got = replies[s][1]["rows"]
-                if rows is None:
-                    rows = torch.empty(len(ids), *got.shape[1:], dtype=got.dtype)
-                rows[positions] = got
-        assert rows is not None
+                rows[positions] = replies[s][1]["rows"]
         return rows
 
     def push(self, dense_grads: dict[str, torch.Tensor], row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:

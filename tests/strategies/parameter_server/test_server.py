@@ -85,3 +85,19 @@ def test_a_restarted_server_is_waited_for():
     assert torch.equal(pulled["w"], torch.ones(1))
     client.close()
     late.stop()
+
+
+def test_the_server_knows_when_every_worker_is_done_and_a_restart_remembers(served, tmp_path):
+    server, client, _ = served
+    client.call({"op": "push", "worker": "worker-3.99", "index": 3, "seq": 0}, {"grad/w": torch.ones(2, 3)})  # joined beyond 2
+    for worker in (0, 1):
+        client.call({"op": "finish", "worker": worker, "code": 0})
+    assert not server.all_finished(2)  # worker 3 joined and is still training
+    server.save(tmp_path / "state.safetensors")
+    restarted = ParameterServer.restore("secret", tmp_path / "state.safetensors")
+    assert (restarted.applied, restarted.progress, restarted.version) == ({"worker-3.99": 1}, {"3": 1}, 1)
+    restarted.handle({"op": "finish", "worker": 3, "code": 1}, {})
+    assert restarted.all_finished(2) and restarted.finished == {"0": 0, "1": 0, "3": 1}
+    restarted.new_run()  # the job run again from this state: its workers have yet to finish
+    assert not restarted.all_finished(2) and restarted.progress == {"3": 1}
+

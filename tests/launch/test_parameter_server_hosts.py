@@ -1,0 +1,63 @@
+"""A parameter-server job across two simulated machines: roles from TF_CONFIG on one, flags on the other.
+
+Host a runs server 0 and the chief, host b server 1 and worker 1, each task its own ``loom run``.
+Each server listens on its host's address only; the worker on host b joins late; when both
+workers are done the servers exit by themselves. Skipped, with the reason, where network
+namespaces cannot be made.
+"""
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, wait_all
+from tests.netns import network, on_host, why_no_namespaces
+
+HOSTS = {"a": "10.78.0.1", "b": "10.78.0.2"}
+REASON = why_no_namespaces()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+def _progress(out):
+    path = out.with_name(out.name + ".progress")
+    words = path.read_text().split() if path.exists() else []
+    return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (worker, pid, step)
+
+
+def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
+    out, steps = tmp_path / "out", 40
+    servers = [f"{HOSTS['a']}:{free_port()}", f"{HOSTS['b']}:{free_port()}"]
+    tf_config = {"cluster": {"ps": servers, "chief": [f"{HOSTS['a']}:1"], "worker": [f"{HOSTS['b']}:1"]}}
+    env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job"})
+
+    def task(host, *flags, tf_task=None):
+        command = [*LOOM, "run", *flags, str(SCRIPTS / "ps_train.py"), str(out), str(steps)]
+        task_env = {**env, "TF_CONFIG": json.dumps({**tf_config, "task": tf_task})} if tf_task else env
+        return subprocess.Popen(on_host(host, command, prefix="p"), cwd=ROOT, env=task_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+    flags = ["--ps-hosts", ",".join(servers), "--workers", "2"]
+    with network(HOSTS, prefix="p"):
+        tasks = [
+            task("a", tf_task={"type": "ps", "index": 0}),
+            task("b", *flags, "--role", "ps", "--index", "1"),
+            task("a", tf_task={"type": "chief", "index": 0}),
+        ]
+        deadline = time.monotonic() + 90
+        while len(_progress(out)) < 10:  # the chief trains alone for a while
+            assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), wait_all(tasks, 5)
+            time.sleep(0.05)
+        tasks.append(task("b", *flags, "--role", "worker", "--index", "1"))
+        results = wait_all(tasks, timeout=120)
+    for code, _, err in results:
+        assert code == 0, err[-3000:]
+    (_, out_a, _), (_, out_b, _) = results[:2]
+    assert f"parameter server 0 listening on {servers[0]}" in out_a and f"parameter server 1 listening on {servers[1]}" in out_b
+    assert all("every worker has finished; exiting" in stdout for _, stdout, _ in results[:2])
+    progress = _progress(out)
+    assert {w: max(s for v, _, s in progress if v == w) for w in (0, 1)} == {0: steps, 1: steps}
+    assert min(i for i, (w, _, _) in enumerate(progress) if w == 1) >= 10  # worker 1 joined a running job
+    for applied in json.loads(out.with_name("out.stats").read_text()):  # each server: every push once
+        assert sorted(applied.values()) == [steps, steps], applied
