@@ -6,7 +6,8 @@ W3: EmbeddingBag(1,000,000 x 32, sum) over bags of 20 ids drawn from a Zipf dist
 (exponent 1.1, as ids in click logs are), then an MLP 32-64-1; global batch 1024. Three ways
 to train it on the same data:
 
-* loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches);
+* loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches),
+  asynchronous, and synchronous (``--sync``: each step the servers apply the workers' mean);
 * MirroredStrategy, all-reducing the dense 128 MB embedding gradient every step;
 * DDP with sparse embedding gradients (``EmbeddingBag(sparse=True)``; gloo all-gathers them).
 
@@ -40,6 +41,7 @@ from bench.workloads import RESULTS, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, DIM, BAG, GLOBAL_BATCH = 1_000_000, 32, 20, 1024
+METHODS = ("parameter-server", "parameter-server-sync", "mirrored-dense", "sparse-ddp")
 
 
 class W3(nn.Module):
@@ -67,7 +69,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
     workers = strategy.num_replicas_in_sync
     size = GLOBAL_BATCH // workers
     rss_before = _peak_rss()
-    if method == "parameter-server":
+    if method.startswith("parameter-server"):
         with strategy.scope():  # the table is never built on a worker: the servers draw it
             model = W3()
     else:
@@ -85,7 +87,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
     for step in range(steps + 3):
         if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
             wire = _lo_bytes()
-            transport = strategy.variables.bytes_moved if method == "parameter-server" else 0
+            transport = strategy.variables.bytes_moved if method.startswith("parameter-server") else 0
         ids, y = batch(step, rank, size)
         start = time.perf_counter()
         F.binary_cross_entropy_with_logits(model(ids), y).backward()
@@ -94,7 +96,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
         opt.zero_grad()
         times.append(time.perf_counter() - start)
     wire = _lo_bytes() - wire
-    transport = (strategy.variables.bytes_moved if method == "parameter-server" else 0) - transport
+    transport = (strategy.variables.bytes_moved if method.startswith("parameter-server") else 0) - transport
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump({"seconds": times[3:], "samples": size * steps, "wire": wire, "transport": transport,
                    "peak_rss_growth": _peak_rss() - rss_before}, f)  # fmt: skip
@@ -118,7 +120,8 @@ def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float
     try:
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
         out = tmp / f"{method}-{workers}-{straggler_sleep:g}"
-        launch = ["--ps", "2", "--workers", str(workers)] if method == "parameter-server" else ["--nproc", str(workers)]
+        launch = ["--ps", "2", "--workers", str(workers)] if method.startswith("parameter-server") else ["--nproc", str(workers)]
+        launch += ["--sync"] if method == "parameter-server-sync" else []
         command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_BENCH_STRAGGLER_SLEEP": str(straggler_sleep)}
         done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env=env)
@@ -132,7 +135,7 @@ def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float
         rate = sum(r["samples"] / sum(r["seconds"]) for r in reports)
     else:
         rate = GLOBAL_BATCH / step_seconds
-    if method == "parameter-server":  # at the transport: what each worker sent plus received
+    if method.startswith("parameter-server"):  # at the transport: what each worker sent plus received
         per_worker_step = float(np.mean([r["transport"] for r in reports])) / steps
     else:  # on the wire, in lockstep: every byte is sent by one worker and received by another
         per_worker_step = 2 * reports[0]["wire"] / workers / steps
@@ -157,18 +160,20 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
-            for method in ("parameter-server", "mirrored-dense", "sparse-ddp"):
+            for method in METHODS:
                 row = run(method, workers, args.steps, Path(tmp))
                 results.setdefault(method, {})[str(workers)] = row
-                print(f"{method:<18} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
+                print(f"{method:<21} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
                       f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step  "
                       f"worker peak memory +{row['peak_rss_growth'] / 2**20:.0f} MB", flush=True)  # fmt: skip
     for workers in map(str, args.workers):
-        ps, dense, sparse = (results[m][workers] for m in ("parameter-server", "mirrored-dense", "sparse-ddp"))
-        print(f"{workers} workers: PS vs dense all-reduce {ps['samples_per_sec'] / dense['samples_per_sec']:.1f}x throughput, "
-              f"{dense['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.0f}x fewer bytes; "
-              f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
-              f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
+        dense, sparse = results["mirrored-dense"][workers], results["sparse-ddp"][workers]
+        for method in ("parameter-server", "parameter-server-sync"):
+            ps = results[method][workers]
+            print(f"{workers} workers, {method}: vs dense all-reduce {ps['samples_per_sec'] / dense['samples_per_sec']:.1f}x throughput, "
+                  f"{dense['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.0f}x fewer bytes; "
+                  f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
+                  f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
     if 4 in args.workers:
         results["straggler"] = straggler(results, args.steps)
     print(f"saved {save('parameter_server', results)}")
@@ -181,7 +186,7 @@ def straggler(results: dict, steps: int) -> dict[str, dict[str, float]]:
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for method in ("parameter-server", "sparse-ddp"):
+        for method in ("parameter-server", "parameter-server-sync", "sparse-ddp"):
             quiet = results[method]["4"]
             slowed = run(method, 4, steps, Path(tmp), straggler_sleep=3 * quiet["step_seconds"])
             kept = slowed["samples_per_sec"] / quiet["samples_per_sec"]

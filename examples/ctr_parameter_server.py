@@ -1,6 +1,7 @@
 """Click-through-rate prediction on parameter servers, with a known ground truth to score against.
 
     loom run --ps 2 --workers 2 examples/ctr_parameter_server.py     # asynchronous, parameter servers
+    loom run --ps 2 --workers 2 --sync examples/ctr_parameter_server.py  # synchronous, parameter servers
     loom run --nproc 2 examples/ctr_parameter_server.py              # synchronous, MirroredStrategy
 
 Each sample is a bag of 20 feature ids drawn from a Zipf distribution (exponent 1.1, as ids in

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--role", choices=("ps", "worker"), help="across machines: what this machine runs (with --ps-hosts and --workers)")
     run.add_argument("--index", type=int, help="across machines: which server or worker this is (default 0; worker 0 is the chief)")
     run.add_argument("--staleness", type=int, help="keep each worker within this many steps of the slowest (with --ps; 0: lockstep)")
+    run.add_argument("--sync", action="store_true", help="synchronous parameter servers: each step applies the mean of every worker's gradients")
     run.add_argument("--ps-checkpoint-dir", help="where parameter servers save their state (with --ps; default: a temporary directory)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        ps_options = (opts.max_restarts, args.staleness, args.ps_checkpoint_dir)
+        ps_options = (opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync)
         if args.ps is not None:
             if args.ps_hosts or args.role:
                 raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")

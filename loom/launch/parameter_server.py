@@ -56,6 +56,7 @@ def run_parameter_server_job(
     max_restarts: int = 0,
     staleness: int | None = None,
     checkpoint_dir: str | None = None,
+    synchronous: bool = False,
 ) -> int:
     """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers, all here.
 
@@ -66,7 +67,7 @@ def run_parameter_server_job(
     if servers < 1 or workers < 1:
         raise LaunchError(f"a parameter-server job needs at least one server and one worker (got --ps {servers} --workers {workers})")
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(servers)]
-    job = _Job(entry, cluster, workers, secrets.token_hex(16), max_restarts, staleness, checkpoint_dir)
+    job = _Job(entry, cluster, workers, secrets.token_hex(16), max_restarts, staleness, checkpoint_dir, synchronous)
     return job.run(servers_here=list(range(servers)), workers_here=list(range(workers)))
 
 
@@ -76,6 +77,7 @@ def run_parameter_server_task(
     max_restarts: int = 0,
     staleness: int | None = None,
     checkpoint_dir: str | None = None,
+    synchronous: bool = False,
 ) -> int:
     """Run this machine's task of a job across machines: one server, or one worker.
 
@@ -85,7 +87,7 @@ def run_parameter_server_task(
     token = os.environ.get("LOOM_PS_TOKEN")
     if not token:
         raise LaunchError(f"LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; {TOKEN_HELP}")
-    job = _Job(entry, list(cluster.servers), cluster.workers, token, max_restarts, staleness, checkpoint_dir)
+    job = _Job(entry, list(cluster.servers), cluster.workers, token, max_restarts, staleness, checkpoint_dir, synchronous)
     if cluster.role == "ps":
         return job.run(servers_here=[cluster.index], workers_here=[])
     return job.run(servers_here=[], workers_here=[cluster.index])
@@ -103,6 +105,7 @@ class _Job:
         max_restarts: int,
         staleness: int | None,
         checkpoint_dir: str | None,
+        synchronous: bool,
     ) -> None:
         self.entry = entry
         self.servers = servers
@@ -111,8 +114,12 @@ class _Job:
         self.max_restarts = max_restarts
         self.state_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
+        if staleness is not None and synchronous:
+            raise LaunchError("--sync and --staleness exclude each other: synchronous workers are never stale")
         if staleness is not None:
             self.env["LOOM_PS_STALENESS"] = str(staleness)
+        if synchronous:
+            self.env["LOOM_PS_SYNC"] = "1"
 
     def _serve(self, index: int, restarted: bool) -> subprocess.Popen:
         host, port = parse_endpoint(self.servers[index], what="parameter server address")

@@ -59,5 +59,5 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
     progress = _progress(out)
     assert {w: max(s for v, _, s in progress if v == w) for w in (0, 1)} == {0: steps, 1: steps}
     assert min(i for i, (w, _, _) in enumerate(progress) if w == 1) >= 10  # worker 1 joined a running job
-    for applied in json.loads(out.with_name("out.stats").read_text()):  # each server: every push once
-        assert sorted(applied.values()) == [steps, steps], applied
+    for stats in json.loads(out.with_name("out.stats").read_text()):  # each server: every push once
+        assert sorted(stats["applied"].values()) == [steps, steps], stats

@@ -1,4 +1,7 @@
-"""``loom run --ps N --workers M``: servers and independent workers; a killed worker is restarted alone."""
+"""``loom run --ps N --workers M``: servers and independent workers; a killed worker is restarted alone.
+
+Asynchronous workers go on without it; synchronous ones wait for its successor.
+"""
 
 import json
 import subprocess
@@ -13,20 +16,30 @@ def _progress(out):
     return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (worker, pid, step)
 
 
-def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_counts_twice(tmp_path):
-    out = tmp_path / "out"
-    job = subprocess.Popen(
-        [*LOOM, "run", "--ps", "2", "--workers", "3", "--max-restarts", "1", str(SCRIPTS / "ps_train.py"), str(out), "60"],
+def _job(out, steps, *flags):
+    return subprocess.Popen(
+        [*LOOM, "run", *flags, str(SCRIPTS / "ps_train.py"), str(out), str(steps)],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+
+
+def _kill_worker_at(job, out, worker, step):
+    """``kill -9`` of ``worker``'s process once it has done ``step`` steps; its pid."""
+    deadline = time.monotonic() + 90
+    while not [p for w, p, s in _progress(out) if w == worker and s >= step]:
+        assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=5)
+        time.sleep(0.02)
+    victim = next(p for w, p, s in _progress(out) if w == worker)
+    subprocess.run(["kill", "-9", str(victim)], check=True)
+    return victim
+
+
+def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_counts_twice(tmp_path):
+    out = tmp_path / "out"
+    job = _job(out, 60, "--ps", "2", "--workers", "3", "--max-restarts", "1")
     try:
-        deadline = time.monotonic() + 90
-        while not [p for w, p, s in _progress(out) if w == 1 and s >= 10]:
-            assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=5)
-            time.sleep(0.02)
-        victim = next(p for w, p, s in _progress(out) if w == 1)
+        victim = _kill_worker_at(job, out, worker=1, step=10)
         others_before = {w: s for w, _, s in _progress(out) if w != 1}
-        subprocess.run(["kill", "-9", str(victim)], check=True)
         stdout, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
@@ -38,12 +51,30 @@ def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_count
         assert max(s for w, _, s in steps if w == worker) == 60 and others_before[worker] < 60
     incarnations = {p: max(s for w, q, s in steps if q == p) for w, p, _ in steps if w == 1}
     assert len(incarnations) == 2 and incarnations[victim] < 60 and max(incarnations.values()) == 60
-    applied = json.loads(out.with_name("out.stats").read_text())
-    for per_server in applied:  # every server: each push of each worker process applied once
-        for name, count in per_server.items():
+    for stats in json.loads(out.with_name("out.stats").read_text()):  # every server: each push of each worker process applied once
+        for name, count in stats["applied"].items():
             pid = int(name.rsplit(".", 1)[1])
             finished = next((s for w, p, s in steps if p == pid), None) and max(s for _, p, s in steps if p == pid)
             assert count in (finished, finished + 1) if pid == victim else count == finished, (name, count, finished)
+
+
+def test_synchronous_workers_wait_for_a_killed_ones_successor_and_every_round_applies_once(tmp_path):
+    out, steps = tmp_path / "out", 40
+    job = _job(out, steps, "--ps", "2", "--workers", "2", "--sync", "--max-restarts", "1")
+    try:
+        victim = _kill_worker_at(job, out, worker=1, step=10)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        job.kill()
+    assert job.returncode == 0, stderr[-3000:]
+    progress = _progress(out)
+    killed_at = max(s for _, p, s in progress if p == victim)
+    successor = {p: [s for _, q, s in progress if q == p] for w, p, _ in progress if w == 1 and p != victim}
+    assert len(successor) == 1 and max(next(iter(successor.values()))) == steps
+    assert min(next(iter(successor.values()))) in (killed_at + 1, killed_at + 2)  # resumed at the job's round
+    assert [s for w, _, s in progress if w == 0] == list(range(1, steps + 1))
+    for server in json.loads(out.with_name("out.stats").read_text()):
+        assert server["version"] == server["round"] + 1 == steps  # every round applied once, none lost
 
 
 def _server_pid(index, state_dir):
@@ -77,5 +108,5 @@ def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(
     assert "parameter server 1 listening on 127.0.0.1:" in stdout and "(resumed from" in stdout
     steps = _progress(out)
     assert {w: max(s for v, _, s in steps if v == w) for w in (0, 1)} == {0: 150, 1: 150}
-    applied = json.loads(out.with_name("out.stats").read_text())
-    assert sum(applied[0].values()) == 300  # the server that never died applied every push once
+    stats = json.loads(out.with_name("out.stats").read_text())
+    assert sum(stats[0]["applied"].values()) == 300  # the server that never died applied every push once

@@ -3,7 +3,8 @@
     ps_train.py OUT STEPS
 
 Each worker appends "<worker> <pid> <step>" to OUT.progress after every step; the chief,
-when done, waits for the others' files and writes the servers' update counts to OUT.stats.
+when done, waits for the others' files and writes each server's counts (pushes applied per
+worker process, version, last synchronous round) to OUT.stats.
 """
 
 import json
@@ -23,7 +24,7 @@ def main() -> None:
     strategy = loom.auto_strategy()
     model, opt = strategy.prepare(Clicks(rows=1000), lambda p: torch.optim.Adagrad(p, lr=0.1))
     g = torch.Generator().manual_seed(strategy.replica_id)
-    for step in range(1, steps + 1):
+    for step in range(strategy.step + 1, steps + 1):  # synchronous: a restarted worker resumes at the job's round
         ids = torch.randint(0, 1000, (32, 5), generator=g)
         loss = F.binary_cross_entropy_with_logits(model(ids), (ids % 7 == 0).any(1).float())
         strategy.backward(loss)
@@ -37,7 +38,7 @@ def main() -> None:
     if strategy.is_chief:
         while not all(os.path.exists(f"{out}.done.{w}") for w in range(strategy.num_replicas_in_sync)):
             time.sleep(0.1)
-        stats = [c.call({"op": "stats"})[0]["applied"] for c in strategy.variables.clients]
+        stats = [c.call({"op": "stats"})[0] for c in strategy.variables.clients]
         with open(f"{out}.stats", "w") as f:
             json.dump(stats, f)
     strategy.shutdown()

@@ -4,7 +4,9 @@ It runs a gRPC server (``grpcio``: deadlines, retries, metadata) with one generi
 carries ``loom.strategies.parameter_server.wire`` messages. Every call must carry the job's
 token in its metadata; anything else is refused before it is read. A push carries the
 worker's name and a sequence number, so a retried push is applied once; each push is
-applied whole, under the locks of the variables it touches.
+applied whole, under the locks of the variables it touches. In synchronous training a push
+is one worker's share of a round: the server sums the round's gradients and applies their
+mean once, when every worker still in the job has given its share.
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ class ParameterServer:
         self.optimizer = optimizer or ServerOptimizer()
         self.created = bool(self.dense or self.tables)
         self.applied: dict[str, int] = {}  # worker process -> pushes applied
-        self.version = 0  # pushes applied here, all workers together
+        self.version = 0  # updates applied here: pushes, or rounds in synchronous training
+        self.round = -1  # synchronous training: the last round applied
+        self._rounds: dict[int, _Round] = {}  # synchronous training: rounds still waiting for workers
+        self._round_lock = threading.Lock()
+        self._round_done = threading.Condition(self._round_lock)
         self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
         self.clocks: dict[int, tuple[int, float]] = {}  # worker index -> (steps done, when last heard)
         self.progress: dict[str, int] = {}  # worker index -> steps it has pushed (for the chief's report)
@@ -71,17 +77,20 @@ class ParameterServer:
             with self._locks[table]:  # indexing by a tensor copies the rows
                 return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]]}
         if op == "push":
-            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"), fields.get("index"))
+            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"), fields.get("index"), fields.get("sync"))
             return {"applied": applied}, {}
+        if op == "round":
+            return self.wait_for_round(fields["round"], fields.get("wait", 0.0)), {}
         if op == "tick":
             return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
         if op == "finish":
             with self._seq_lock:
                 self.finished[str(fields["worker"])] = fields["code"]
+            self._complete_rounds()  # a synchronous round no longer waits for that worker
             return {}, {}
         if op == "stats":
             clocks = {w: c for w, (c, _) in self.clocks.items()}
-            stats = {"applied": dict(self.applied), "version": self.version, "staleness": self.staleness}
+            stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
             return {**stats, "clocks": clocks, "progress": dict(self.progress)}, {}
         raise WireError(f"unknown operation {op!r}")
 
@@ -125,17 +134,55 @@ class ParameterServer:
         return {"min_clock": min(live)}
 
     def _push(
-        self, worker: str, seq: int, tensors: dict[str, torch.Tensor], based_on: int | None = None, index: int | None = None
+        self,
+        worker: str,
+        seq: int,
+        tensors: dict[str, torch.Tensor],
+        based_on: int | None = None,
+        index: int | None = None,
+        sync: int | None = None,
     ) -> bool:
         """Apply one push once: a retry of a push already applied is acknowledged and ignored.
 
-        Everything is checked before anything is applied, so a bad push changes nothing.
+        Everything is checked before anything is applied, so a bad push changes nothing. With
+        ``sync`` (the job's number of workers) the push is worker ``index``'s share of round
+        ``seq``, applied with the round.
         """
         self._check(tensors)
+        if sync is None:
+            if not self._first_time(worker, seq):
+                return False
+            self._apply(tensors)
+        else:
+            with self._round_lock:  # recorded and kept together: a checkpoint has both or neither
+                if not self._first_time(worker, seq):
+                    return False
+                if seq > self.round:
+                    for lost in [r for r in self._rounds if r < seq]:  # restarted from an older checkpoint:
+                        del self._rounds[lost]  # the workers moved past these rounds, their other shares are gone
+                    self._rounds.setdefault(seq, _Round(sync)).add(str(index), tensors)
+            self._complete_rounds()
+        with self._seq_lock:
+            self.applied[worker] = self.applied.get(worker, 0) + 1
+            if based_on is not None:
+                stale = self.version - based_on
+                self.staleness[stale] = self.staleness.get(stale, 0) + 1
+            if index is not None:  # a worker's sequence numbers count its steps
+                self.progress[str(index)] = max(self.progress.get(str(index), 0), seq + 1)
+                self.joined.add(str(index))
+            if sync is None:
+                self.version += 1
+        return True
+
+    def _first_time(self, worker: str, seq: int) -> bool:
         with self._seq_lock:
             if seq <= self._last_seq.get(worker, -1):
                 return False
             self._last_seq[worker] = seq
+            return True
+
+    def _apply(self, tensors: dict[str, torch.Tensor]) -> None:
+        """One update from gradients (``grad/``) and row gradients (``rowids/``, ``rowgrad/``)."""
         names = sorted({key.split("/", 1)[1] for key in tensors})
         held = [self._locks[name] for name in names]  # sorted order: no two pushes deadlock
         for lock in held:
@@ -150,16 +197,30 @@ class ParameterServer:
         finally:
             for lock in held:
                 lock.release()
-        with self._seq_lock:
-            self.applied[worker] = self.applied.get(worker, 0) + 1
-            if based_on is not None:
-                stale = self.version - based_on
-                self.staleness[stale] = self.staleness.get(stale, 0) + 1
-            if index is not None:  # a worker's sequence numbers count its steps
-                self.progress[str(index)] = max(self.progress.get(str(index), 0), seq + 1)
-                self.joined.add(str(index))
-            self.version += 1
-        return True
+
+    def _complete_rounds(self) -> None:
+        """Apply each pending round, oldest first, once every worker still in the job has given to it."""
+        with self._round_lock:
+            while self._rounds:
+                round_ = min(self._rounds)
+                pending = self._rounds[round_]
+                with self._seq_lock:
+                    gone = set(self.finished) - pending.workers
+                if len(pending.workers) < pending.expected - len(gone):
+                    return
+                del self._rounds[round_]
+                self._apply(pending.mean())
+                with self._seq_lock:
+                    self.version += 1
+                    self.round = round_
+                self._round_done.notify_all()
+
+    def wait_for_round(self, round_: int, timeout: float) -> dict[str, Any]:
+        """Block until ``round_`` is applied or ``timeout`` passes; which workers gave to it so far."""
+        with self._round_done:
+            self._round_done.wait_for(lambda: self.round >= round_, timeout)
+            pending = self._rounds.get(round_)
+            return {"round": self.round, "given": sorted(pending.workers) if pending else []}
 
     def all_finished(self, workers: int) -> bool:
         """Every worker of the job, and any that joined beyond them, is done for good."""
@@ -191,12 +252,14 @@ class ParameterServer:
         """Everything this server holds, in one safetensors file replaced atomically (no pickle)."""
         from safetensors.torch import save_file
 
-        locks = [self._seq_lock] + [self._locks[n] for n in sorted(self._locks)]
+        locks = [self._round_lock, self._seq_lock] + [self._locks[n] for n in sorted(self._locks)]
         for lock in locks:  # one consistent snapshot: no push half in it
             lock.acquire()
         try:
             tensors = {f"dense/{n}": t.clone() for n, t in self.dense.items()}
             tensors.update({f"table/{n}": t.clone() for n, t in self.tables.items()})
+            for round_, pending in self._rounds.items():  # shares acknowledged but not yet applied
+                tensors.update({f"round/{round_}/{key}": t.clone() for key, t in pending.tensors().items()})
             steps = {}
             for var, slots in self.optimizer.state.items():
                 steps[var] = slots["step"]
@@ -212,6 +275,8 @@ class ParameterServer:
                 "progress": self.progress,
                 "joined": sorted(self.joined),
                 "finished": self.finished,
+                "round": self.round,
+                "rounds": {r: {"expected": p.expected, "workers": sorted(p.workers)} for r, p in self._rounds.items()},
             }
         finally:
             for lock in reversed(locks):
@@ -243,6 +308,10 @@ class ParameterServer:
         server.version, server.applied, server._last_seq = meta["version"], meta["applied"], meta["last_seq"]
         server.staleness = {int(k): v for k, v in meta["staleness"].items()}
         server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
+        server.round = meta["round"]
+        for round_, info in meta["rounds"].items():
+            shares = {key.split("/", 2)[2]: t for key, t in tensors.items() if key.startswith(f"round/{round_}/")}
+            server._rounds[int(round_)] = _Round.restored(info["expected"], info["workers"], shares)
         return server
 
     # ---- serving -------------------------------------------------------------------------------
@@ -256,8 +325,11 @@ class ParameterServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
         return encode(reply_fields, reply_tensors)
 
-    def serve(self, port: int, host: str = "127.0.0.1", threads: int = 4) -> int:
-        """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port."""
+    def serve(self, port: int, host: str = "127.0.0.1", threads: int = 32) -> int:
+        """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port.
+
+        Workers waiting for a synchronous round each hold a thread, hence many threads.
+        """
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=CHANNEL_OPTIONS)
         handler = grpc.method_handlers_generic_handler(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._call)})
         self._server.add_generic_rpc_handlers((handler,))
@@ -270,3 +342,45 @@ class ParameterServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=1).wait()
+
+
+class _Round:
+    """Synchronous training: the gradients of one round, summed over the workers that gave."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.workers: set[str] = set()
+        self.dense: dict[str, torch.Tensor] = {}
+        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    @classmethod
+    def restored(cls, expected: int, workers: list[str], sums: dict[str, torch.Tensor]) -> _Round:
+        """A round as a checkpoint kept it: its sums so far, and who gave them."""
+        pending = cls(expected)
+        pending.add("", sums)
+        pending.workers = set(workers)
+        return pending
+
+    def add(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
+        if worker in self.workers:
+            return
+        self.workers.add(worker)
+        for key, value in tensors.items():
+            kind, name = key.split("/", 1)
+            if kind == "grad":
+                self.dense[name] = self.dense[name] + value if name in self.dense else value.clone()
+            elif kind == "rowgrad":
+                self.rows.setdefault(name, []).append((tensors[f"rowids/{name}"], value))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The round's sums as one push (repeated rows are summed when applied)."""
+        out = {f"grad/{name}": grad for name, grad in self.dense.items()}
+        for name, parts in self.rows.items():
+            out[f"rowids/{name}"] = torch.cat([ids for ids, _ in parts])
+            out[f"rowgrad/{name}"] = torch.cat([grads for _, grads in parts])
+        return out
+
+    def mean(self) -> dict[str, torch.Tensor]:
+        """The update synchronous training applies: the mean over the workers that gave."""
+        share = 1.0 / len(self.workers)
+        return {key: value if key.startswith("rowids/") else value * share for key, value in self.tensors().items()}

@@ -80,12 +80,14 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         variables: ShardedVariables,
         workers: int,
         staleness: int | None,
+        synchronous: bool = False,
     ) -> None:
         self.optimizer = inner
         self.model = model
         self.variables = variables
         self.workers = workers
         self.staleness = staleness
+        self.synchronous = synchronous
         self.dense = {n: p for n, p in model.named_parameters()}
         self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding)}
 
@@ -104,8 +106,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
-        self.variables.push(dense, rows)
-        if self.staleness is not None:
+        self.variables.push(dense, rows, sync=self.workers if self.synchronous else None)
+        if self.synchronous:
+            self.variables.wait_for_round()
+        elif self.staleness is not None:
             self.variables.wait_for_peers(self.workers, self.staleness)
         for name, value in self.variables.pull_dense(list(self.dense)).items():
             self.dense[name].copy_(value)
@@ -121,11 +125,14 @@ class ParameterServerStrategy(Strategy):
         worker: int | None = None,
         num_workers: int | None = None,
         staleness: int | None = None,
+        synchronous: bool | None = None,
         precision: str = "32",
         timeout: float | None = None,
     ) -> None:
         """``staleness``: None for fully asynchronous workers; K to keep every worker within K
-        steps of the slowest live one; 0 for lockstep (each step sees every worker's last one)."""
+        steps of the slowest live one; 0 for lockstep (each step sees every worker's last one,
+        each worker's gradient applied on its own). ``synchronous``: each step the servers apply
+        the mean of every worker's gradients once, so N workers train as one on the global batch."""
         super().__init__(precision, timeout)
         servers = servers or [a for a in os.environ.get("LOOM_PS_SERVERS", "").split(",") if a]
         if not servers:
@@ -138,6 +145,9 @@ class ParameterServerStrategy(Strategy):
         self.staleness = staleness if staleness is not None else (int(env_staleness) if env_staleness else None)
         if self.staleness is not None and self.staleness < 0:
             raise ValueError(f"staleness must be None (asynchronous) or a number of steps >= 0, got {self.staleness}")
+        self.synchronous = os.environ.get("LOOM_PS_SYNC") == "1" if synchronous is None else synchronous
+        if self.synchronous and self.staleness is not None:
+            raise ValueError("synchronous training has no staleness: pass one of staleness=K and synchronous=True")
         self.variables: ShardedVariables | None = None
         self.rate_window = RATE_WINDOW
         self._samples: deque[tuple[float, dict[str, int]]] = deque([(time.monotonic(), {})])  # (when, steps per worker)
@@ -153,6 +163,12 @@ class ParameterServerStrategy(Strategy):
     @property
     def device(self) -> torch.device:
         return torch.device("cpu")
+
+    @property
+    def step(self) -> int:
+        """Steps this worker has pushed; in synchronous training the job's round, so a restarted
+        worker resumes its loop there (synchronous workers must all run the same steps)."""
+        return self.variables.clock if self.variables is not None else 0
 
     def scope(self) -> Any:
         """Build the model inside ``with strategy.scope():`` so that no worker allocates the tables.
@@ -186,7 +202,9 @@ class ParameterServerStrategy(Strategy):
                                   {n: (t.shape[1], self.worker) for n, t in initial.items() if t.is_meta})  # fmt: skip
         else:
             self._wait_until_created(clients)
-        opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness)
+        if self.synchronous:
+            self.variables.join_rounds()
+        opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return model, opt

@@ -24,6 +24,7 @@ class ShardedVariables:
         self.index = index
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
+        self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
         self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
@@ -84,15 +85,28 @@ class ShardedVariables:
                 rows[positions] = replies[s][1]["rows"]
         return rows
 
-    def push(self, dense_grads: dict[str, torch.Tensor], row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """One step's gradients: each server gets its share, tagged so that a retry applies once."""
+    def push(
+        self,
+        dense_grads: dict[str, torch.Tensor],
+        row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        sync: int | None = None,
+    ) -> None:
+        """One step's gradients: each server gets its share, tagged so that a retry applies once.
+
+        With ``sync`` (the number of workers) the push is this worker's share of round
+        ``clock``, and every server gets one, even an empty one, so that it can count the round.
+        """
         requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
         def share(server: int) -> dict[str, torch.Tensor]:
             if server not in requests:
-                fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock}
+                fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock, "sync": sync}
                 requests[server] = ({**fields, "based_on": self.versions.get(server)}, {})
             return requests[server][1]
+
+        if sync is not None:
+            for server in range(len(self.clients)):
+                share(server)
 
         for name, grad in dense_grads.items():
             share(self.placement.dense[name])[f"grad/{name}"] = grad
@@ -102,7 +116,31 @@ class ShardedVariables:
                     share(s)[f"rowids/{name}"] = local
                     share(s)[f"rowgrad/{name}"] = grads[positions]
         self._fan_out(requests)
+        self._last_push = requests
         self.clock += 1
+
+    def join_rounds(self) -> None:
+        """Synchronous training: start at the oldest round a server still waits for.
+
+        A worker that died mid-push gave its share to some servers only; its successor gives
+        that round again (the servers that applied it ignore the share).
+        """
+        self.clock = min(c.call({"op": "round", "round": -1})[0]["round"] for c in self.clients) + 1
+
+    def wait_for_round(self) -> None:
+        """Block until every server has applied the round this worker just pushed to.
+
+        A server restarted from a checkpoint older than this worker's share no longer has it;
+        it is sent again (same sequence number, so never counted twice).
+        """
+        round_ = self.clock - 1
+        for server, client in enumerate(self.clients):
+            while True:
+                fields, _ = client.call({"op": "round", "round": round_, "wait": 1.0})
+                if fields["round"] >= round_:
+                    break
+                if str(self.index) not in fields["given"]:
+                    client.call(*self._last_push[server])
 
     def wait_for_peers(self, workers: int, staleness: int, lease: float = 30.0) -> None:
         """Block while this worker is more than ``staleness`` steps ahead of the slowest live one."""

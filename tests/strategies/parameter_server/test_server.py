@@ -101,3 +101,38 @@ def test_the_server_knows_when_every_worker_is_done_and_a_restart_remembers(serv
     restarted.new_run()  # the job run again from this state: its workers have yet to finish
     assert not restarted.all_finished(2) and restarted.progress == {"3": 1}
 
+
+
+def _share(client, index, round_, value, process="a"):
+    push = {"op": "push", "worker": f"worker-{index}.{process}", "index": index, "seq": round_, "sync": 2}
+    return client.call(push, {"grad/w": torch.full((2, 3), value)})[0]["applied"]
+
+
+def test_a_synchronous_round_is_applied_once_with_the_mean_of_its_shares(served):
+    server, client, _ = served
+    _share(client, 0, 0, 1.0)
+    assert client.call({"op": "round", "round": 0})[0] == {"round": -1, "given": ["0"]}  # waits for worker 1
+    assert torch.equal(server.dense["w"], torch.ones(2, 3))
+    _share(client, 0, 0, 9.0, process="b")  # worker 0's restarted process gives round 0 again: ignored
+    _share(client, 1, 0, 3.0)
+    assert client.call({"op": "round", "round": 0, "wait": 5})[0]["round"] == 0
+    assert torch.equal(server.dense["w"], torch.zeros(2, 3))  # 1 - 0.5 * mean(1, 3)
+    assert not _share(client, 1, 0, 3.0)  # a retry: acknowledged, not applied
+    client.call({"op": "finish", "worker": 1, "code": 0})
+    _share(client, 0, 1, 2.0)  # worker 1 is done: the round no longer waits for it
+    assert server.round == 1 and server.version == 2 and torch.equal(server.dense["w"], -torch.ones(2, 3))
+
+
+def test_a_server_restarted_mid_round_gets_the_lost_shares_again(served, tmp_path):
+    server, client, _ = served
+    _share(client, 0, 0, 1.0)
+    server.save(tmp_path / "state.safetensors")  # worker 0's share is in the checkpoint, worker 1's will not be
+    _share(client, 1, 0, 3.0)
+    restarted = ParameterServer.restore("secret", tmp_path / "state.safetensors")
+    assert restarted.wait_for_round(0, timeout=0) == {"round": -1, "given": ["0"]}  # worker 1 sends its share again
+    restarted.handle({"op": "push", "worker": "worker-1.a", "index": 1, "seq": 0, "sync": 2}, {"grad/w": torch.full((2, 3), 3.0)})
+    assert restarted.round == 0 and torch.equal(restarted.dense["w"], server.dense["w"])
+    older = ParameterServer.restore("secret", tmp_path / "state.safetensors")
+    older.handle({"op": "push", "worker": "worker-1.a", "index": 1, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
+    older.handle({"op": "push", "worker": "worker-0.a", "index": 0, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
+    assert older.round == 1 and older.version == 1  # round 0's lost shares never come: the workers moved on

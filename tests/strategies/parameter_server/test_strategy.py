@@ -62,6 +62,42 @@ def test_one_worker_on_two_servers_equals_local_training(servers, make_opt):
     strategy.shutdown()
 
 
+@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)])
+def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt):
+    """Each step the servers apply the mean of both workers' gradients once: local training on
+    the whole batch, although each worker saw half of it."""
+    local = Clicks()
+    local_opt = make_opt(local.parameters())
+    for ids, y in batches(15):
+        F.binary_cross_entropy_with_logits(local(ids), y).backward()
+        local_opt.step()
+        local_opt.zero_grad()
+    tables = {}
+
+    def work(worker):
+        strategy = ParameterServerStrategy(servers, token="job-token", worker=worker, num_workers=2, synchronous=True)
+        model, opt = strategy.prepare(Clicks(), make_opt)
+        for ids, y in batches(15):
+            half = slice(8 * worker, 8 * worker + 8)
+            F.binary_cross_entropy_with_logits(model(ids[half]), y[half]).backward()
+            opt.step()
+            opt.zero_grad()
+        tables[worker] = (strategy.variables.pull_rows("bag", torch.arange(50)), dict(model.mlp.named_parameters()))
+        strategy.shutdown()
+
+    _run_workers(work)
+    for table, mlp in tables.values():  # both workers end with the same parameters: local training's
+        torch.testing.assert_close(table, local.bag.weight.detach(), rtol=1e-5, atol=1e-6)
+        for name, p in local.mlp.named_parameters():
+            torch.testing.assert_close(mlp[name].detach(), p.detach(), rtol=1e-5, atol=1e-6)
+    assert len(tables) == 2
+
+
+def test_synchronous_and_staleness_exclude_each_other(servers):
+    with pytest.raises(ValueError, match="synchronous training has no staleness: pass one of"):
+        ParameterServerStrategy(servers, token="job-token", staleness=2, synchronous=True)
+
+
 def test_two_workers_train_on_their_own_and_the_loss_falls(servers):
     losses = {}
 
