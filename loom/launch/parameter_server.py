@@ -5,8 +5,9 @@ stop the others. Each is a process of its own, restarted on failure up to ``--ma
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
 Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
 every machine otherwise). Each server saves its state every few seconds, so one that dies is
-restarted where it was; when a worker is done for good its launcher tells every server, and
-the servers exit once all workers are done.
+restarted where it was. When a worker dies, its launcher settles its last push (applied on
+every server or on none) before restarting it; when a worker is done for good its launcher
+tells every server, and the servers exit once all workers are done.
 """
 
 from __future__ import annotations
@@ -133,17 +134,24 @@ class _Job:
         command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
         return subprocess.Popen(command, env={**self.env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
 
-    def _tell_servers_finished(self, worker: int, code: int) -> None:
-        """So that the servers, which may be on other machines, know when the whole job is done."""
+    def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
+        """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
         from loom.strategies.parameter_server.client import ServerClient
+        from loom.strategies.parameter_server.settle import settle
+        from loom.strategies.parameter_server.variables import worker_name
 
-        for address in self.servers:
-            client = ServerClient(address, self.token, deadline=10.0, patience=30.0)
-            try:
-                client.call({"op": "finish", "worker": worker, "code": code})
-            except LoomError as error:
-                _say(f"could not tell {address} that worker {worker} finished ({error}); it serves until stopped")
-            finally:
+        clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0) for address in self.servers]
+        try:
+            if code != 0:
+                for line in settle(clients, worker_name(worker, pid)):
+                    _say(f"worker {worker} died mid-push: {line}")
+            if finished:
+                for client in clients:
+                    client.call({"op": "finish", "worker": worker, "code": code})
+        except LoomError as error:
+            _say(f"could not reach the servers about worker {worker} ({error}); they serve until stopped")
+        finally:
+            for client in clients:
                 client.close()
 
     def run(self, servers_here: list[int], workers_here: list[int]) -> int:
@@ -178,14 +186,15 @@ class _Job:
                     if code is None:
                         continue
                     del running[worker]
-                    if code != 0 and restarts[worker] < self.max_restarts:
+                    again = code != 0 and restarts[worker] < self.max_restarts
+                    self._tell_servers(worker, proc.pid, code, finished=not again)
+                    if again:
                         restarts[worker] += 1
                         _say(f"worker {worker} (pid {proc.pid}) exited with code {code}; restarting it ({restarts[worker]} of {self.max_restarts}), the others go on")
                         running[worker] = self._start(worker)
                         continue
                     if code != 0:
                         failed[worker] = code
-                    self._tell_servers_finished(worker, code)
                 if workers_here and not running:
                     workers_done_at = workers_done_at or time.monotonic()
                     if time.monotonic() - workers_done_at > SERVER_EXIT_GRACE:

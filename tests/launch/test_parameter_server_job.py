@@ -16,9 +16,9 @@ def _progress(out):
     return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (worker, pid, step)
 
 
-def _job(out, steps, *flags):
+def _job(out, steps, *flags, die_at=None):
     return subprocess.Popen(
-        [*LOOM, "run", *flags, str(SCRIPTS / "ps_train.py"), str(out), str(steps)],
+        [*LOOM, "run", *flags, str(SCRIPTS / "ps_train.py"), str(out), str(steps), *([str(die_at)] if die_at else [])],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
 
@@ -51,11 +51,26 @@ def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_count
         assert max(s for w, _, s in steps if w == worker) == 60 and others_before[worker] < 60
     incarnations = {p: max(s for w, q, s in steps if q == p) for w, p, _ in steps if w == 1}
     assert len(incarnations) == 2 and incarnations[victim] < 60 and max(incarnations.values()) == 60
-    for stats in json.loads(out.with_name("out.stats").read_text()):  # every server: each push of each worker process applied once
+    servers = json.loads(out.with_name("out.stats").read_text())
+    for stats in servers:  # every server: each push of each worker process applied once
         for name, count in stats["applied"].items():
             pid = int(name.rsplit(".", 1)[1])
             finished = next((s for w, p, s in steps if p == pid), None) and max(s for _, p, s in steps if p == pid)
             assert count in (finished, finished + 1) if pid == victim else count == finished, (name, count, finished)
+    assert len({stats["applied"][f"worker-1.{victim}"] for stats in servers}) == 1  # none half-applied: same count everywhere
+
+
+def test_a_worker_killed_between_its_commits_has_that_push_applied_on_every_server(tmp_path):
+    out = tmp_path / "out"
+    job = _job(out, 20, "--ps", "2", "--workers", "2", "--max-restarts", "1", die_at=8)
+    stdout, stderr = job.communicate(timeout=120)
+    assert job.returncode == 0, stderr[-3000:]
+    progress = _progress(out)
+    victim = next(p for w, p, _ in progress if w == 1)
+    assert max(s for _, p, s in progress if p == victim) == 7  # died in step 8's push
+    assert f"loom: worker 1 died mid-push: push 7 of worker-1.{victim} applied on every server (127.0.0.1:" in stderr
+    for stats in json.loads(out.with_name("out.stats").read_text()):
+        assert stats["applied"][f"worker-1.{victim}"] == 8  # steps 1-7, and step 8's push, on both servers
 
 
 def test_synchronous_workers_wait_for_a_killed_ones_successor_and_every_round_applies_once(tmp_path):

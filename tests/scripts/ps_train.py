@@ -1,14 +1,16 @@
 """A worker of a parameter-server job: train a small click model, log each step.
 
-    ps_train.py OUT STEPS
+    ps_train.py OUT STEPS [DIE_AT]
 
-Each worker appends "<worker> <pid> <step>" to OUT.progress after every step; the chief,
+With DIE_AT, worker 1's first process kills itself (SIGKILL) in the middle of that step's
+push: staged on every server, committed on the first only. Each worker appends "<worker> <pid> <step>" to OUT.progress after every step; the chief,
 when done, waits for the others' files and writes each server's counts (pushes applied per
 worker process, version, last synchronous round) to OUT.stats.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 
@@ -19,8 +21,20 @@ import loom
 from tests.scripts.clicks import Clicks
 
 
+def die_mid_push(variables, marker: str) -> None:
+    """The next push is staged everywhere and committed on the first server only; then SIGKILL."""
+    open(marker, "w").close()
+
+    def commit_once_then_die(servers):
+        variables.clients[servers[0]].call({"op": "commit", "worker": variables.worker, "seq": variables.clock})
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    variables._commit = commit_once_then_die
+
+
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
+    die_at = int(sys.argv[3]) if len(sys.argv) > 3 else None
     strategy = loom.auto_strategy()
     model, opt = strategy.prepare(Clicks(rows=1000), lambda p: torch.optim.Adagrad(p, lr=0.1))
     g = torch.Generator().manual_seed(strategy.replica_id)
@@ -28,6 +42,8 @@ def main() -> None:
         ids = torch.randint(0, 1000, (32, 5), generator=g)
         loss = F.binary_cross_entropy_with_logits(model(ids), (ids % 7 == 0).any(1).float())
         strategy.backward(loss)
+        if step == die_at and strategy.replica_id == 1 and not os.path.exists(f"{out}.died"):
+            die_mid_push(strategy.variables, f"{out}.died")
         opt.step()
         opt.zero_grad()
         with open(f"{out}.progress", "a") as f:

@@ -4,7 +4,9 @@ It runs a gRPC server (``grpcio``: deadlines, retries, metadata) with one generi
 carries ``loom.strategies.parameter_server.wire`` messages. Every call must carry the job's
 token in its metadata; anything else is refused before it is read. A push carries the
 worker's name and a sequence number, so a retried push is applied once; each push is
-applied whole, under the locks of the variables it touches. In synchronous training a push
+applied whole, under the locks of the variables it touches. A push is applied in two steps:
+staged on every server it touches, then committed, so a worker that dies mid-push leaves
+staged shares that its launcher commits everywhere or nowhere (``settle.py``). In synchronous training a push
 is one worker's share of a round: the server sums the round's gradients and applies their
 mean once, when every worker still in the job has given its share.
 """
@@ -58,7 +60,8 @@ class ParameterServer:
         self.progress: dict[str, int] = {}  # worker index -> steps it has pushed (for the chief's report)
         self.joined: set[str] = set()  # worker indices that pushed in this run of the job
         self.finished: dict[str, int] = {}  # worker index -> exit code, once its launcher says it is done for good
-        self._last_seq: dict[str, int] = {}
+        self._last_seq: dict[str, int] = {}  # worker process -> its last push committed here
+        self._staged: dict[tuple[str, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # (worker, seq) -> push
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
         self._server: grpc.Server | None = None
@@ -77,8 +80,17 @@ class ParameterServer:
             with self._locks[table]:  # indexing by a tensor copies the rows
                 return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]]}
         if op == "push":
-            applied = self._push(fields["worker"], fields["seq"], tensors, fields.get("based_on"), fields.get("index"), fields.get("sync"))
-            return {"applied": applied}, {}
+            return {"staged": self._stage(fields, tensors)}, {}
+        if op == "commit":
+            return self._commit(fields["worker"], fields["seq"]), {}
+        if op == "abort":
+            with self._seq_lock:
+                self._staged.pop((fields["worker"], fields["seq"]), None)
+            return {}, {}
+        if op == "pending":
+            with self._seq_lock:
+                staged = {str(seq): f.get("parts") for (w, seq), (f, _) in self._staged.items() if w == fields["worker"]}
+                return {"staged": staged, "committed": self._last_seq.get(fields["worker"], -1)}, {}
         if op == "round":
             return self.wait_for_round(fields["round"], fields.get("wait", 0.0)), {}
         if op == "tick":
@@ -133,6 +145,27 @@ class ParameterServer:
             live = [c for c, seen in self.clocks.values() if now - seen <= lease]
         return {"min_clock": min(live)}
 
+    def _stage(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        """Keep a push, checked, until its commit; a retry, or a push already committed, is ignored."""
+        self._check(tensors)
+        worker, seq = fields["worker"], fields["seq"]
+        with self._seq_lock:
+            if seq <= self._last_seq.get(worker, -1) or (worker, seq) in self._staged:
+                return False
+            self._staged[(worker, seq)] = (fields, tensors)
+        return True
+
+    def _commit(self, worker: str, seq: int) -> dict[str, bool]:
+        """Apply a staged push. ``missing``: never staged here, or lost with a restart; stage it again."""
+        with self._seq_lock:
+            staged = self._staged.get((worker, seq))
+            done = seq <= self._last_seq.get(worker, -1)
+        if staged is None:
+            return {"applied": False, "missing": not done}
+        fields, tensors = staged
+        applied = self._push(worker, seq, tensors, fields.get("based_on"), fields.get("index"), fields.get("sync"))
+        return {"applied": applied, "missing": False}
+
     def _push(
         self,
         worker: str,
@@ -144,11 +177,10 @@ class ParameterServer:
     ) -> bool:
         """Apply one push once: a retry of a push already applied is acknowledged and ignored.
 
-        Everything is checked before anything is applied, so a bad push changes nothing. With
+        Everything was checked when it was staged, so a bad push changes nothing. With
         ``sync`` (the job's number of workers) the push is worker ``index``'s share of round
         ``seq``, applied with the round.
         """
-        self._check(tensors)
         if sync is None:
             if not self._first_time(worker, seq):
                 return False
@@ -176,6 +208,7 @@ class ParameterServer:
 
     def _first_time(self, worker: str, seq: int) -> bool:
         with self._seq_lock:
+            self._staged.pop((worker, seq), None)
             if seq <= self._last_seq.get(worker, -1):
                 return False
             self._last_seq[worker] = seq

@@ -25,7 +25,7 @@ from torch import nn
 from loom.strategies.base import OptimizerFactory, Strategy
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.partitioner import place
-from loom.strategies.parameter_server.variables import ShardedVariables
+from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
@@ -189,8 +189,7 @@ class ParameterServerStrategy(Strategy):
             len(self.servers),
         )
         clients = [ServerClient(a, self.token) for a in self.servers]
-        # One name per process: a restarted worker's pushes start again at sequence 0.
-        self.variables = ShardedVariables(clients, placement, f"worker-{self.worker}.{os.getpid()}", self.worker)
+        self.variables = ShardedVariables(clients, placement, worker_name(self.worker, os.getpid()), self.worker)
         initial = {n: m.weight.detach() for n, m in tables.items()}
         for name, module in tables.items():
             _replace(model, name, RemoteEmbedding(name, module, self.variables))

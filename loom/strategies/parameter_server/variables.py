@@ -1,7 +1,9 @@
 """A worker's view of the variables spread over the servers: create, pull, push.
 
 Pulls and pushes fan out to the servers in parallel (one thread per server), each server
-getting only its share: its dense parameters, and for a table the rows in its range.
+getting only its share: its dense parameters, and for a table the rows in its range. A push
+is staged on every server it touches before any applies it (then committed), so a worker
+that dies mid-push leaves nothing half-applied that its launcher cannot settle.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import torch
 
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.partitioner import Placement
+
+
+def worker_name(index: int, pid: int) -> str:
+    """One name per worker process: a restarted worker's pushes start again at sequence 0."""
+    return f"worker-{index}.{pid}"
 
 
 class ShardedVariables:
@@ -91,7 +98,8 @@ class ShardedVariables:
         row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
         sync: int | None = None,
     ) -> None:
-        """One step's gradients: each server gets its share, tagged so that a retry applies once.
+        """One step's gradients: each server gets its share, tagged so that a retry applies once;
+        staged everywhere first, then committed everywhere.
 
         With ``sync`` (the number of workers) the push is this worker's share of round
         ``clock``, and every server gets one, even an empty one, so that it can count the round.
@@ -115,15 +123,31 @@ class ShardedVariables:
                 if len(local):
                     share(s)[f"rowids/{name}"] = local
                     share(s)[f"rowgrad/{name}"] = grads[positions]
+        parts = sorted(requests)
+        for fields, _ in requests.values():
+            fields["parts"] = parts  # so that a dead worker's launcher can tell a whole push from a half one
         self._fan_out(requests)
         self._last_push = requests
+        self._commit(parts)
         self.clock += 1
+
+    def _commit(self, servers: list[int]) -> None:
+        """Apply the staged push on ``servers``; one that lost it (restarted) gets it again."""
+        commit = {"op": "commit", "worker": self.worker, "seq": self.clock}
+        replies = self._fan_out({s: (commit, {}) for s in servers})
+        for server, (fields, _) in replies.items():
+            if fields["missing"]:
+                self._deliver(server, commit)
+
+    def _deliver(self, server: int, commit: dict[str, Any]) -> None:
+        self.clients[server].call(*self._last_push[server])
+        self.clients[server].call(commit)
 
     def join_rounds(self) -> None:
         """Synchronous training: start at the oldest round a server still waits for.
 
-        A worker that died mid-push gave its share to some servers only; its successor gives
-        that round again (the servers that applied it ignore the share).
+        A round a dead predecessor gave to (its launcher settled that share on every server)
+        is given again and ignored; one it did not give to is given now.
         """
         self.clock = min(c.call({"op": "round", "round": -1})[0]["round"] for c in self.clients) + 1
 
@@ -140,7 +164,7 @@ class ShardedVariables:
                 if fields["round"] >= round_:
                     break
                 if str(self.index) not in fields["given"]:
-                    client.call(*self._last_push[server])
+                    self._deliver(server, {"op": "commit", "worker": self.worker, "seq": round_})
 
     def wait_for_peers(self, workers: int, staleness: int, lease: float = 30.0) -> None:
         """Block while this worker is more than ``staleness`` steps ahead of the slowest live one."""

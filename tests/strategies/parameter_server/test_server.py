@@ -10,7 +10,17 @@ from loom.errors import LoomError
 from loom.strategies.parameter_server.client import ServerClient, ServerUnavailableError
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.settle import settle
 from tests.helpers import free_port
+
+
+def push(target, fields, tensors):
+    """Stage a push and commit it, as a worker does; whether the commit applied it.
+
+    ``target``: a client, or a server called directly."""
+    call = target.call if isinstance(target, ServerClient) else lambda f, t=None: (target.handle(f, t or {})[0], {})
+    call({"op": "push", **fields}, tensors)
+    return call({"op": "commit", "worker": fields["worker"], "seq": fields["seq"]})[0]["applied"]
 
 
 @pytest.fixture
@@ -27,8 +37,8 @@ def test_pull_push_and_rows(served):
     server, client, _ = served
     _, pulled = client.call({"op": "pull", "names": ["w"]})
     assert torch.equal(pulled["w"], torch.ones(2, 3))
-    push = {"grad/w": torch.full((2, 3), 2.0), "rowids/emb": torch.tensor([1, 3, 1]), "rowgrad/emb": torch.ones(3, 4)}
-    assert client.call({"op": "push", "worker": "w0", "seq": 0}, push)[0] == {"applied": True}
+    grads = {"grad/w": torch.full((2, 3), 2.0), "rowids/emb": torch.tensor([1, 3, 1]), "rowgrad/emb": torch.ones(3, 4)}
+    assert push(client, {"worker": "w0", "seq": 0}, grads)
     assert torch.equal(server.dense["w"], torch.zeros(2, 3))  # 1 - 0.5 * 2
     _, rows = client.call({"op": "pull_rows", "table": "emb"}, {"ids": torch.tensor([1, 3, 0])})
     assert rows["rows"][:, 0].tolist() == [-1.0, -0.5, 0.0]  # row 1 pushed twice: gradients summed
@@ -36,10 +46,10 @@ def test_pull_push_and_rows(served):
 
 def test_a_retried_push_is_applied_once(served):
     server, client, _ = served
-    push = {"grad/w": torch.ones(2, 3)}
+    grads = {"grad/w": torch.ones(2, 3)}
     for _ in range(3):  # the same sequence number: a retry after a lost reply
-        client.call({"op": "push", "worker": "w0", "seq": 5}, push)
-    client.call({"op": "push", "worker": "w1", "seq": 0}, push)
+        push(client, {"worker": "w0", "seq": 5}, grads)
+    push(client, {"worker": "w1", "seq": 0}, grads)
     assert client.call({"op": "stats"})[0]["applied"] == {"w0": 1, "w1": 1}
     assert torch.equal(server.dense["w"], torch.zeros(2, 3))  # 1 - 2 * 0.5
 
@@ -89,7 +99,7 @@ def test_a_restarted_server_is_waited_for():
 
 def test_the_server_knows_when_every_worker_is_done_and_a_restart_remembers(served, tmp_path):
     server, client, _ = served
-    client.call({"op": "push", "worker": "worker-3.99", "index": 3, "seq": 0}, {"grad/w": torch.ones(2, 3)})  # joined beyond 2
+    push(client, {"worker": "worker-3.99", "index": 3, "seq": 0}, {"grad/w": torch.ones(2, 3)})  # joined beyond 2
     for worker in (0, 1):
         client.call({"op": "finish", "worker": worker, "code": 0})
     assert not server.all_finished(2)  # worker 3 joined and is still training
@@ -104,8 +114,7 @@ def test_the_server_knows_when_every_worker_is_done_and_a_restart_remembers(serv
 
 
 def _share(client, index, round_, value, process="a"):
-    push = {"op": "push", "worker": f"worker-{index}.{process}", "index": index, "seq": round_, "sync": 2}
-    return client.call(push, {"grad/w": torch.full((2, 3), value)})[0]["applied"]
+    return push(client, {"worker": f"worker-{index}.{process}", "index": index, "seq": round_, "sync": 2}, {"grad/w": torch.full((2, 3), value)})
 
 
 def test_a_synchronous_round_is_applied_once_with_the_mean_of_its_shares(served):
@@ -130,9 +139,43 @@ def test_a_server_restarted_mid_round_gets_the_lost_shares_again(served, tmp_pat
     _share(client, 1, 0, 3.0)
     restarted = ParameterServer.restore("secret", tmp_path / "state.safetensors")
     assert restarted.wait_for_round(0, timeout=0) == {"round": -1, "given": ["0"]}  # worker 1 sends its share again
-    restarted.handle({"op": "push", "worker": "worker-1.a", "index": 1, "seq": 0, "sync": 2}, {"grad/w": torch.full((2, 3), 3.0)})
+    push(restarted, {"worker": "worker-1.a", "index": 1, "seq": 0, "sync": 2}, {"grad/w": torch.full((2, 3), 3.0)})
     assert restarted.round == 0 and torch.equal(restarted.dense["w"], server.dense["w"])
     older = ParameterServer.restore("secret", tmp_path / "state.safetensors")
-    older.handle({"op": "push", "worker": "worker-1.a", "index": 1, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
-    older.handle({"op": "push", "worker": "worker-0.a", "index": 0, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
+    push(older, {"worker": "worker-1.a", "index": 1, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
+    push(older, {"worker": "worker-0.a", "index": 0, "seq": 1, "sync": 2}, {"grad/w": torch.ones(2, 3)})
     assert older.round == 1 and older.version == 1  # round 0's lost shares never come: the workers moved on
+
+
+@pytest.fixture
+def two_servers():
+    servers = [ParameterServer("secret", {"w": torch.ones(2)}, {}, ServerOptimizer("sgd", lr=1.0)) for _ in range(2)]
+    clients = [ServerClient(f"127.0.0.1:{s.serve(free_port())}", "secret", patience=2) for s in servers]
+    yield servers, clients
+    for server, client in zip(servers, clients):
+        client.close()
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "staged_on, committed_on, applied",
+    [
+        ((0, 1), (0,), True),  # died between its commits: committed on the other server too
+        ((0, 1), (), True),  # died after staging everywhere: the push is whole, so it is applied
+        ((0,), (), False),  # died while staging: aborted where it was staged
+    ],
+)
+def test_a_push_cut_short_by_a_dead_worker_is_settled_on_every_server_or_none(two_servers, staged_on, committed_on, applied):
+    servers, clients = two_servers
+    push(clients[0], {"worker": "worker-1.7", "seq": 0, "parts": [0, 1]}, {"grad/w": torch.ones(2)})  # an earlier, whole push
+    push(clients[1], {"worker": "worker-1.7", "seq": 0, "parts": [0, 1]}, {"grad/w": torch.ones(2)})
+    for s in staged_on:
+        clients[s].call({"op": "push", "worker": "worker-1.7", "seq": 1, "parts": [0, 1]}, {"grad/w": torch.ones(2)})
+    for s in committed_on:
+        clients[s].call({"op": "commit", "worker": "worker-1.7", "seq": 1})
+    lines = settle(clients, "worker-1.7")
+    assert lines == [f"push 1 of worker-1.7 applied on {'every server' if applied else 'none'} ({clients[0].address}, {clients[1].address})"]
+    for server in servers:
+        assert server.applied == {"worker-1.7": 2 if applied else 1} and not server._staged
+        assert torch.equal(server.dense["w"], torch.full((2,), -1.0 if applied else 0.0))
+    assert settle(clients, "worker-1.7") == []  # nothing left to settle
