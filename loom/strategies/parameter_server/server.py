@@ -81,8 +81,11 @@ class ParameterServer:
                 return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]]}
         if op == "push":
             return {"staged": self._stage(fields, tensors)}, {}
-        if op == "commit":
-            return self._commit(fields["worker"], fields["seq"]), {}
+        if op == "commit":  # with "names": then read those dense parameters, in the same round trip
+            reply = self._commit(fields["worker"], fields["seq"])
+            if reply["missing"] or not fields.get("names"):
+                return reply, {}
+            return {**reply, "version": self.version}, {name: self._read(name) for name in fields["names"]}
         if op == "abort":
             with self._seq_lock:
                 self._staged.pop((fields["worker"], fields["seq"]), None)

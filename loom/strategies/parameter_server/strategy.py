@@ -106,12 +106,16 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
-        self.variables.push(dense, rows, sync=self.workers if self.synchronous else None)
-        if self.synchronous:
-            self.variables.wait_for_round()
-        elif self.staleness is not None:
-            self.variables.wait_for_peers(self.workers, self.staleness)
-        for name, value in self.variables.pull_dense(list(self.dense)).items():
+        if self.synchronous or self.staleness is not None:
+            self.variables.push(dense, rows, sync=self.workers if self.synchronous else None)
+            if self.synchronous:
+                self.variables.wait_for_round()
+            else:
+                self.variables.wait_for_peers(self.workers, self.staleness)
+            pulled = self.variables.pull_dense(list(self.dense))
+        else:  # asynchronous: the newest parameters come back with the commit
+            pulled = self.variables.push(dense, rows, then_pull=list(self.dense))
+        for name, value in pulled.items():
             self.dense[name].copy_(value)
 
 

@@ -71,10 +71,14 @@ class ShardedVariables:
             requests[s] = ({"op": "create", "optimizer": optimizer, "generate": draws}, tensors)
         self._fan_out(requests)
 
-    def pull_dense(self, names: list[str]) -> dict[str, torch.Tensor]:
-        requests = {}
+    def _by_server(self, names: list[str]) -> dict[int, list[str]]:
+        grouped: dict[int, list[str]] = {}
         for name in names:
-            requests.setdefault(self.placement.dense[name], ({"op": "pull", "names": []}, {}))[0]["names"].append(name)
+            grouped.setdefault(self.placement.dense[name], []).append(name)
+        return grouped
+
+    def pull_dense(self, names: list[str]) -> dict[str, torch.Tensor]:
+        requests = {s: ({"op": "pull", "names": held}, {}) for s, held in self._by_server(names).items()}
         out: dict[str, torch.Tensor] = {}
         for _, tensors in self._fan_out(requests).values():
             out.update(tensors)
@@ -97,9 +101,11 @@ class ShardedVariables:
         dense_grads: dict[str, torch.Tensor],
         row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
         sync: int | None = None,
-    ) -> None:
+        then_pull: list[str] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """One step's gradients: each server gets its share, tagged so that a retry applies once;
-        staged everywhere first, then committed everywhere.
+        staged everywhere first, then committed everywhere. ``then_pull``: dense parameters
+        to read once the push is applied, in the commit's round trip (returned).
 
         With ``sync`` (the number of workers) the push is this worker's share of round
         ``clock``, and every server gets one, even an empty one, so that it can count the round.
@@ -128,16 +134,23 @@ class ShardedVariables:
             fields["parts"] = parts  # so that a dead worker's launcher can tell a whole push from a half one
         self._fan_out(requests)
         self._last_push = requests
-        self._commit(parts)
+        pulled = self._commit(parts, self._by_server(then_pull or []))
         self.clock += 1
+        return pulled
 
-    def _commit(self, servers: list[int]) -> None:
-        """Apply the staged push on ``servers``; one that lost it (restarted) gets it again."""
+    def _commit(self, servers: list[int], pulls: dict[int, list[str]]) -> dict[str, torch.Tensor]:
+        """Apply the staged push on ``servers`` and read ``pulls`` (server -> names) after it;
+        a server that lost the push (restarted) gets it again."""
         commit = {"op": "commit", "worker": self.worker, "seq": self.clock}
-        replies = self._fan_out({s: (commit, {}) for s in servers})
-        for server, (fields, _) in replies.items():
-            if fields["missing"]:
+        requests = {s: ({**commit, "names": pulls.get(s, [])}, {}) for s in servers}
+        requests.update({s: ({"op": "pull", "names": names}, {}) for s, names in pulls.items() if s not in requests})
+        pulled: dict[str, torch.Tensor] = {}
+        for server, (fields, tensors) in self._fan_out(requests).items():
+            if fields.get("missing"):
                 self._deliver(server, commit)
+                tensors = self.pull_dense(pulls.get(server, [])) if pulls.get(server) else {}
+            pulled.update(tensors)
+        return pulled
 
     def _deliver(self, server: int, commit: dict[str, Any]) -> None:
         self.clients[server].call(*self._last_push[server])

@@ -179,3 +179,15 @@ def test_a_push_cut_short_by_a_dead_worker_is_settled_on_every_server_or_none(tw
         assert server.applied == {"worker-1.7": 2 if applied else 1} and not server._staged
         assert torch.equal(server.dense["w"], torch.full((2,), -1.0 if applied else 0.0))
     assert settle(clients, "worker-1.7") == []  # nothing left to settle
+
+
+def test_a_commit_the_server_lost_in_a_restart_asks_for_the_push_again(served, tmp_path):
+    server, client, _ = served
+    client.call({"op": "push", "worker": "w0", "seq": 0}, {"grad/w": torch.ones(2, 3)})
+    server.save(tmp_path / "state.safetensors")  # staged pushes are not state: a restart loses them
+    restarted = ParameterServer.restore("secret", tmp_path / "state.safetensors")
+    assert restarted.handle({"op": "commit", "worker": "w0", "seq": 0}, {})[0] == {"applied": False, "missing": True}
+    assert push(restarted, {"worker": "w0", "seq": 0}, {"grad/w": torch.ones(2, 3)})  # the worker stages it again
+    assert restarted.handle({"op": "commit", "worker": "w0", "seq": 0}, {})[0] == {"applied": False, "missing": False}
+    _, pulled = client.call({"op": "commit", "worker": "w0", "seq": 0, "names": ["w"]})  # commit, then read
+    assert torch.equal(pulled["w"], torch.full((2, 3), 0.5)) and torch.equal(restarted.dense["w"], pulled["w"])
