@@ -4,11 +4,11 @@ It runs a gRPC server (``grpcio``: deadlines, retries, metadata) with one generi
 carries ``loom.strategies.parameter_server.wire`` messages. Every call must carry the job's
 token in its metadata; anything else is refused before it is read. A push carries the
 worker's name and a sequence number, so a retried push is applied once; each push is
-applied whole, under the locks of the variables it touches. A push is applied in two steps:
-staged on every server it touches, then committed, so a worker that dies mid-push leaves
-staged shares that its launcher commits everywhere or nowhere (``settle.py``). In synchronous training a push
-is one worker's share of a round: the server sums the round's gradients and applies their
-mean once, when every worker still in the job has given its share.
+applied whole, under the locks of the variables it touches. It is applied in two steps,
+staged on every server it touches, then committed: a worker that dies mid-push leaves
+staged shares that its launcher commits everywhere or nowhere (``settle.py``). In
+synchronous training a push is one worker's share of a round: the server sums the round's
+gradients and applies their mean once, when every worker still in the job has given its share.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ class ShardedVariables:
         for server, (fields, tensors) in self._fan_out(requests).items():
             if fields.get("missing"):
                 self._deliver(server, commit)
-                tensors = self.pull_dense(pulls.get(server, [])) if pulls.get(server) else {}
+                tensors = self.pull_dense(pulls.get(server, []))
             pulled.update(tensors)
         return pulled
 
