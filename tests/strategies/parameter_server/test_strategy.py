@@ -72,11 +72,11 @@ def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt
         F.binary_cross_entropy_with_logits(local(ids), y).backward()
         local_opt.step()
         local_opt.zero_grad()
-    tables = {}
+    tables, built = {}, [Clicks(), Clicks()]  # built here: threads would interleave draws from the global RNG
 
     def work(worker):
         strategy = ParameterServerStrategy(servers, token="job-token", worker=worker, num_workers=2, synchronous=True)
-        model, opt = strategy.prepare(Clicks(), make_opt)
+        model, opt = strategy.prepare(built[worker], make_opt)
         for ids, y in batches(15):
             half = slice(8 * worker, 8 * worker + 8)
             F.binary_cross_entropy_with_logits(model(ids[half]), y[half]).backward()
