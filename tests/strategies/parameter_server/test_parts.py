@@ -28,7 +28,7 @@ def test_rows_by_server_routes_every_id_once():
 
 
 def test_wire_round_trip_and_garbage():
-    tensors = {"ids": torch.tensor([3, 1, 2]), "grad": torch.randn(3, 4), "empty": torch.empty(0, 4)}
+    tensors = {"ids": torch.tensor([3, 1, 2]), "grad": torch.randn(3, 4), "empty": torch.empty(0, 4), "scalar": torch.tensor(1.5)}
     fields, back = decode(encode({"op": "push", "step": 7}, tensors))
     assert fields == {"op": "push", "step": 7}
     assert all(torch.equal(tensors[k], back[k]) for k in tensors)
