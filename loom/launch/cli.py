@@ -15,7 +15,7 @@ from loom.cluster import ParameterServerCluster, TorchrunEnvironment
 from loom.comm.process_group import default_backend, resolve_timeout
 from loom.devices import available_cores, cuda_count
 from loom.errors import LaunchError, LoomError
-from loom.launch.parameter_server import run_parameter_server_job, run_parameter_server_task
+from loom.launch.parameter_server import JobOptions, run_parameter_server_job, run_parameter_server_task
 from loom.launch.torchrun import LaunchOptions, run_job
 
 
@@ -138,14 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        ps_options = (opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync)
+        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync)
         if args.ps is not None:
             if args.ps_hosts or args.role:
                 raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")
-            return run_parameter_server_job(entry, args.ps, args.workers or 0, *ps_options)
+            return run_parameter_server_job(entry, args.ps, args.workers or 0, ps_options)
         cluster = ParameterServerCluster.resolve(args.ps_hosts, args.workers, args.role, args.index)
         if cluster is not None:
-            return run_parameter_server_task(entry, cluster, *ps_options)
+            return run_parameter_server_task(entry, cluster, ps_options)
         if args.workers is not None:
             raise LaunchError("--workers is for parameter-server jobs: add --ps N (one machine) or --ps-hosts and --role (across machines)")
         return run_job(entry, opts)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from loom.cluster import ParameterServerCluster, parse_endpoint
@@ -50,36 +51,35 @@ def _say(message: str) -> None:
     print(f"loom: {message}", file=sys.stderr, flush=True)
 
 
-def run_parameter_server_job(
-    entry: list[str],
-    servers: int,
-    workers: int,
-    max_restarts: int = 0,
-    staleness: int | None = None,
-    checkpoint_dir: str | None = None,
-    synchronous: bool = False,
-) -> int:
-    """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers`` servers, all here.
+@dataclass(frozen=True)
+class JobOptions:
+    """How a parameter-server job trains and survives, the same for every task of it.
 
-    The servers listen on loopback. Each saves its state every few seconds under
-    ``checkpoint_dir`` (a temporary directory by default); one that dies is restarted from it,
-    up to ``max_restarts`` times.
+    Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
+    directory by default); a server or worker that dies is restarted up to ``max_restarts`` times.
     """
+
+    max_restarts: int = 0
+    staleness: int | None = None
+    checkpoint_dir: str | None = None
+    synchronous: bool = False
+
+    def __post_init__(self) -> None:
+        if self.staleness is not None and self.synchronous:
+            raise LaunchError("--sync and --staleness exclude each other: synchronous workers are never stale")
+
+
+def run_parameter_server_job(entry: list[str], servers: int, workers: int, options: JobOptions = JobOptions()) -> int:
+    """Run ``entry`` (a script and its arguments) on ``workers`` workers against ``servers``
+    servers, all here; the servers listen on loopback."""
     if servers < 1 or workers < 1:
         raise LaunchError(f"a parameter-server job needs at least one server and one worker (got --ps {servers} --workers {workers})")
     cluster = [f"127.0.0.1:{_free_port()}" for _ in range(servers)]
-    job = _Job(entry, cluster, workers, secrets.token_hex(16), max_restarts, staleness, checkpoint_dir, synchronous)
+    job = _Job(entry, cluster, workers, secrets.token_hex(16), options)
     return job.run(servers_here=list(range(servers)), workers_here=list(range(workers)))
 
 
-def run_parameter_server_task(
-    entry: list[str],
-    cluster: ParameterServerCluster,
-    max_restarts: int = 0,
-    staleness: int | None = None,
-    checkpoint_dir: str | None = None,
-    synchronous: bool = False,
-) -> int:
+def run_parameter_server_task(entry: list[str], cluster: ParameterServerCluster, options: JobOptions = JobOptions()) -> int:
     """Run this machine's task of a job across machines: one server, or one worker.
 
     A server listens on its own address from the cluster (and nowhere else) and exits when
@@ -88,7 +88,7 @@ def run_parameter_server_task(
     token = os.environ.get("LOOM_PS_TOKEN")
     if not token:
         raise LaunchError(f"LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; {TOKEN_HELP}")
-    job = _Job(entry, list(cluster.servers), cluster.workers, token, max_restarts, staleness, checkpoint_dir, synchronous)
+    job = _Job(entry, list(cluster.servers), cluster.workers, token, options)
     if cluster.role == "ps":
         return job.run(servers_here=[cluster.index], workers_here=[])
     return job.run(servers_here=[], workers_here=[cluster.index])
@@ -97,29 +97,17 @@ def run_parameter_server_task(
 class _Job:
     """Starts this machine's servers and workers, restarts the ones that fail, and ends them."""
 
-    def __init__(
-        self,
-        entry: list[str],
-        servers: list[str],
-        workers: int,
-        token: str,
-        max_restarts: int,
-        staleness: int | None,
-        checkpoint_dir: str | None,
-        synchronous: bool,
-    ) -> None:
+    def __init__(self, entry: list[str], servers: list[str], workers: int, token: str, options: JobOptions) -> None:
         self.entry = entry
         self.servers = servers
         self.workers = workers
         self.token = token
-        self.max_restarts = max_restarts
-        self.state_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
+        self.max_restarts = options.max_restarts
+        self.state_dir = Path(options.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
-        if staleness is not None and synchronous:
-            raise LaunchError("--sync and --staleness exclude each other: synchronous workers are never stale")
-        if staleness is not None:
-            self.env["LOOM_PS_STALENESS"] = str(staleness)
-        if synchronous:
+        if options.staleness is not None:
+            self.env["LOOM_PS_STALENESS"] = str(options.staleness)
+        if options.synchronous:
             self.env["LOOM_PS_SYNC"] = "1"
 
     def _serve(self, index: int, restarted: bool) -> subprocess.Popen:

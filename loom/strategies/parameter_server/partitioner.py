@@ -8,6 +8,7 @@ touches. Dense parameters then go, largest first, to the server holding the fewe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -28,9 +29,13 @@ class Placement:
                 load[server] += (bounds[server + 1] - bounds[server]) * table_row_bytes[name]
         return load
 
+    @cached_property
+    def _bounds(self) -> dict[str, torch.Tensor]:
+        return {name: torch.tensor(bounds) for name, bounds in self.row_bounds.items()}
+
     def rows_by_server(self, table: str, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For each server: the positions in ``ids`` it holds, and those ids local to its range."""
-        bounds = torch.tensor(self.row_bounds[table])
+        bounds = self._bounds[table]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= bounds[-1]):
             raise IndexError(f"embedding '{table}' has {int(bounds[-1])} rows; got ids from {int(ids.min())} to {int(ids.max())}")
         owner = torch.bucketize(ids, bounds[1:-1], right=True)
@@ -55,10 +60,7 @@ def place(dense_bytes: dict[str, int], tables: dict[str, tuple[int, int]], num_s
     if num_servers < 1:
         raise ValueError(f"a parameter-server job needs at least one server, got {num_servers}")
     bounds = {name: row_bounds(rows, num_servers) for name, (rows, _) in tables.items()}
-    load = [0] * num_servers
-    for name, (_, row_size) in tables.items():
-        for server in range(num_servers):
-            load[server] += (bounds[name][server + 1] - bounds[name][server]) * row_size
+    load = Placement(num_servers, {}, bounds).server_bytes({}, {name: row_size for name, (_, row_size) in tables.items()})
     dense = {}
     for name, size in sorted(dense_bytes.items(), key=lambda item: (-item[1], item[0])):
         server = min(range(num_servers), key=lambda s: (load[s], s))

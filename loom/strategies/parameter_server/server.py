@@ -104,9 +104,8 @@ class ParameterServer:
             self._complete_rounds()  # a synchronous round no longer waits for that worker
             return {}, {}
         if op == "stats":
-            clocks = {w: c for w, (c, _) in self.clocks.items()}
             stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
-            return {**stats, "clocks": clocks, "progress": dict(self.progress)}, {}
+            return {**stats, "progress": dict(self.progress)}, {}
         raise WireError(f"unknown operation {op!r}")
 
     def _create(self, optimizer: dict[str, Any], tensors: dict[str, torch.Tensor], generate: dict[str, Any]) -> bool:
@@ -165,25 +164,16 @@ class ParameterServer:
             done = seq <= self._last_seq.get(worker, -1)
         if staged is None:
             return {"applied": False, "missing": not done}
-        fields, tensors = staged
-        applied = self._push(worker, seq, tensors, fields.get("based_on"), fields.get("index"), fields.get("sync"))
-        return {"applied": applied, "missing": False}
+        return {"applied": self._push(*staged), "missing": False}
 
-    def _push(
-        self,
-        worker: str,
-        seq: int,
-        tensors: dict[str, torch.Tensor],
-        based_on: int | None = None,
-        index: int | None = None,
-        sync: int | None = None,
-    ) -> bool:
-        """Apply one push once: a retry of a push already applied is acknowledged and ignored.
+    def _push(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> bool:
+        """Apply one staged push once: a retry of a push already applied is acknowledged and ignored.
 
         Everything was checked when it was staged, so a bad push changes nothing. With
         ``sync`` (the job's number of workers) the push is worker ``index``'s share of round
         ``seq``, applied with the round.
         """
+        worker, seq, index, sync, based_on = (fields.get(k) for k in ("worker", "seq", "index", "sync", "based_on"))
         if sync is None:
             if not self._first_time(worker, seq):
                 return False
