@@ -114,3 +114,10 @@ def wait_all(procs: list[subprocess.Popen], timeout: float = 120.0) -> list[tupl
                 proc.kill()
         results.append((proc.wait(), *proc.communicate()))
     return results
+
+
+def read_progress(out: Path) -> list[tuple[int, int, int]]:
+    """The (attempt or worker, pid, step) lines a test script appended to ``OUT.progress``."""
+    path = out.with_name(out.name + ".progress")
+    words = path.read_text().split() if path.exists() else []
+    return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]

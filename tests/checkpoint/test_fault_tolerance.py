@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loom.checkpoint import committed
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
 
 SCRIPT = str(SCRIPTS / "fit_resumable.py")
 
@@ -29,16 +29,10 @@ def _finish(proc, timeout=120):
     return proc.returncode, out, err
 
 
-def _progress(out):
-    path = out.with_name(out.name + ".progress")
-    lines = path.read_text().split() if path.exists() else []
-    return [tuple(map(int, lines[i : i + 3])) for i in range(0, len(lines) - 2, 3)]  # (attempt, pid, step)
-
-
 def _wait_for_step(out, step, proc, timeout=60):
     deadline = time.monotonic() + timeout
     while True:
-        seen = _progress(out)
+        seen = read_progress(out)
         if seen and seen[-1][2] >= step:
             return seen[-1]
         assert proc.poll() is None, f"the job ended before step {step}: {_finish(proc)}"
@@ -70,7 +64,7 @@ def test_kill_9_at_a_random_step_restarts_and_ends_with_the_same_parameters(tmp_
     subprocess.run(["kill", "-9", str(pid)], check=True)
     code, _, err = _finish(proc)
     assert code == 0, err[-3000:]
-    attempts = _progress(out)
+    attempts = read_progress(out)
     resumed = [step for attempt, _, step in attempts if attempt == 1]
     assert resumed and resumed[0] > 1, f"the restarted job did not resume (killed at step {kill_at}): {resumed[:3]}"
     assert _same(torch.load(out.with_suffix(".pt")), reference["pipeline"]), f"killed at step {kill_at}"

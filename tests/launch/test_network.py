@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, wait_all
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, read_progress, wait_all
 from tests.netns import network, on_host, sh, why_no_namespaces
 
 HOSTS = {"a": "10.79.0.1", "b": "10.79.0.2"}
@@ -37,15 +37,9 @@ def _agent(host: str, rank: int, port: int, out: Path, epochs: int, *flags: str)
     )  # fmt: skip
 
 
-def _steps(out: Path) -> list[tuple[int, int, int]]:
-    progress = out.with_name(out.name + ".progress")
-    words = progress.read_text().split() if progress.exists() else []
-    return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (attempt, pid, step)
-
-
 def _wait_for_step(out: Path, step: int, agents: list, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
-    while not (_steps(out) and _steps(out)[-1][2] >= step):
+    while not (read_progress(out) and read_progress(out)[-1][2] >= step):
         if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
             pytest.fail(f"the two-host job did not reach step {step}: {[e[-1500:] for _, _, e in wait_all(agents, 5)]}")
         time.sleep(0.05)
@@ -76,5 +70,5 @@ def test_with_restarts_the_job_finishes_once_the_host_is_back(hosts, tmp_path):
     (code_a, stdout_a, err_a), (code_b, _, err_b) = wait_all(agents, timeout=120)
     assert (code_a, code_b) == (0, 0), (err_a[-2000:], err_b[-2000:])
     assert "stopped responding" in err_a and "resumed from" in stdout_a
-    steps = _steps(out)
+    steps = read_progress(out)
     assert steps[-1][2] == 120 and len({attempt for attempt, _, _ in steps}) >= 2  # resumed in a later attempt

@@ -12,18 +12,12 @@ import time
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, wait_all
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, read_progress, wait_all
 from tests.netns import network, on_host, why_no_namespaces
 
 HOSTS = {"a": "10.78.0.1", "b": "10.78.0.2"}
 REASON = why_no_namespaces()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
-
-
-def _progress(out):
-    path = out.with_name(out.name + ".progress")
-    words = path.read_text().split() if path.exists() else []
-    return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (worker, pid, step)
 
 
 def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
@@ -46,7 +40,7 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
             task("a", tf_task={"type": "chief", "index": 0}),
         ]
         deadline = time.monotonic() + 90
-        while len(_progress(out)) < 10:  # the chief trains alone for a while
+        while len(read_progress(out)) < 10:  # the chief trains alone for a while
             assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), wait_all(tasks, 5)
             time.sleep(0.05)
         tasks.append(task("b", *flags, "--role", "worker", "--index", "1"))
@@ -56,7 +50,7 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
     (_, out_a, _), (_, out_b, _) = results[:2]
     assert f"parameter server 0 listening on {servers[0]}" in out_a and f"parameter server 1 listening on {servers[1]}" in out_b
     assert all("every worker has finished; exiting" in stdout for _, stdout, _ in results[:2])
-    progress = _progress(out)
+    progress = read_progress(out)
     assert {w: max(s for v, _, s in progress if v == w) for w in (0, 1)} == {0: steps, 1: steps}
     assert min(i for i, (w, _, _) in enumerate(progress) if w == 1) >= 10  # worker 1 joined a running job
     for stats in json.loads(out.with_name("out.stats").read_text()):  # each server: every push once

@@ -7,13 +7,7 @@ import json
 import subprocess
 import time
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
-
-
-def _progress(out):
-    path = out.with_name(out.name + ".progress")
-    words = path.read_text().split() if path.exists() else []
-    return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]  # (worker, pid, step)
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
 
 
 def _job(out, steps, *flags, die_at=None):
@@ -26,10 +20,10 @@ def _job(out, steps, *flags, die_at=None):
 def _kill_worker_at(job, out, worker, step):
     """``kill -9`` of ``worker``'s process once it has done ``step`` steps; its pid."""
     deadline = time.monotonic() + 90
-    while not [p for w, p, s in _progress(out) if w == worker and s >= step]:
+    while not [p for w, p, s in read_progress(out) if w == worker and s >= step]:
         assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=5)
         time.sleep(0.02)
-    victim = next(p for w, p, s in _progress(out) if w == worker)
+    victim = next(p for w, p, s in read_progress(out) if w == worker)
     subprocess.run(["kill", "-9", str(victim)], check=True)
     return victim
 
@@ -39,13 +33,13 @@ def test_a_killed_worker_is_restarted_while_the_others_go_on_and_no_update_count
     job = _job(out, 60, "--ps", "2", "--workers", "3", "--max-restarts", "1")
     try:
         victim = _kill_worker_at(job, out, worker=1, step=10)
-        others_before = {w: s for w, _, s in _progress(out) if w != 1}
+        others_before = {w: s for w, _, s in read_progress(out) if w != 1}
         stdout, stderr = job.communicate(timeout=120)
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
     assert f"worker 1 (pid {victim}) exited with code -9; restarting it (1 of 1), the others go on" in stderr
-    steps = _progress(out)
+    steps = read_progress(out)
     for worker in (0, 2):  # never restarted: one process each, all steps
         assert {p for w, p, _ in steps if w == worker} and len({p for w, p, _ in steps if w == worker}) == 1
         assert max(s for w, _, s in steps if w == worker) == 60 and others_before[worker] < 60
@@ -65,7 +59,7 @@ def test_a_worker_killed_between_its_commits_has_that_push_applied_on_every_serv
     job = _job(out, 20, "--ps", "2", "--workers", "2", "--max-restarts", "1", die_at=8)
     stdout, stderr = job.communicate(timeout=120)
     assert job.returncode == 0, stderr[-3000:]
-    progress = _progress(out)
+    progress = read_progress(out)
     victim = next(p for w, p, _ in progress if w == 1)
     assert max(s for _, p, s in progress if p == victim) == 7  # died in step 8's push
     assert f"loom: worker 1 died mid-push: push 7 of worker-1.{victim} applied on every server (127.0.0.1:" in stderr
@@ -82,7 +76,7 @@ def test_synchronous_workers_wait_for_a_killed_ones_successor_and_every_round_ap
     finally:
         job.kill()
     assert job.returncode == 0, stderr[-3000:]
-    progress = _progress(out)
+    progress = read_progress(out)
     killed_at = max(s for _, p, s in progress if p == victim)
     successor = {p: [s for _, q, s in progress if q == p] for w, p, _ in progress if w == 1 and p != victim}
     assert len(successor) == 1 and max(next(iter(successor.values()))) == steps
@@ -110,7 +104,7 @@ def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 90
-        while not (tmp_path / "ps" / "server-1.safetensors").exists() or len(_progress(out)) < 60:
+        while not (tmp_path / "ps" / "server-1.safetensors").exists() or len(read_progress(out)) < 60:
             assert job.poll() is None and time.monotonic() < deadline, job.communicate(timeout=5)
             time.sleep(0.05)
         victim = _server_pid(1, tmp_path / "ps")
@@ -121,7 +115,7 @@ def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(
     assert job.returncode == 0, stderr[-3000:]
     assert "parameter server 1 (127.0.0.1:" in stderr and f"pid {victim}) exited with code -9; restarting it from its checkpoint" in stderr
     assert "parameter server 1 listening on 127.0.0.1:" in stdout and "(resumed from" in stdout
-    steps = _progress(out)
+    steps = read_progress(out)
     assert {w: max(s for v, _, s in steps if v == w) for w in (0, 1)} == {0: 150, 1: 150}
     stats = json.loads(out.with_name("out.stats").read_text())
     assert sum(stats[0]["applied"].values()) == 300  # the server that never died applied every push once
