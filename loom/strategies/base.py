@@ -3,9 +3,13 @@
 A training loop written against these methods runs unchanged under every strategy::
 
     model, opt = strategy.prepare(Net(), lambda params: torch.optim.SGD(params, lr=0.1))
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=None, max_grad_norm=None)
     for x, y in strategy.distribute(dataset, batch_size=256):   # the global batch
-        strategy.backward(F.cross_entropy(model(x), y))
-        opt.step(); opt.zero_grad()
+        loss = step(x, y)
+
+The eager loop (``strategy.backward(loss)``, then ``opt.step(); opt.zero_grad()``) gives the
+same parameters under every strategy where it is exact; a strategy whose step cannot be eager
+(a pipeline, XLA) refuses ``backward`` and points to ``train_step``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, U
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
@@ -28,6 +33,7 @@ from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
+from loom.strategies.step import LossFn, TrainStep
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Number = TypeVar("Number", int, float)
@@ -107,39 +113,89 @@ class Strategy(ABC):
                 raise TypeError(f"the optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer")
         else:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, not {type(optimizer).__name__}")
-        return wrapped, StrategyOptimizer(inner, self.precision.scaler, self._at_step_boundary)
+        return wrapped, StrategyOptimizer(inner, self.precision, self._at_step_boundary)
+
+    def train_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+    ) -> TrainStep:
+        """The step this strategy owns: ``loss = step(inputs, targets)`` once per global batch.
+
+        Forward, ``loss_fn(model(inputs), targets)``, backward, gradient sync, fp16 unscaling,
+        clipping to ``max_grad_norm`` (after the sync), the optimizer's step, the scheduler's
+        (once per update) and ``zero_grad``. ``accumulate=k`` runs each batch as k
+        micro-batches with one sync; it equals the whole batch at once. The loss comes back
+        detached, without a device sync; ``step.outputs`` holds the batch's outputs.
+        """
+        return TrainStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()`` with the strategy's gradient sync, scaling and accumulation."""
         self._micro_steps += 1
         if self._accumulation_steps > 1:
             loss = loss / self._accumulation_steps
-        sync = self._at_step_boundary()
-        with self._guard(), (nullcontext() if sync else self._skip_gradient_sync()):
+        with self._guard():
             self.precision.scale(loss).backward()
+        if self._accumulation_steps > 1:  # DDP decides in the forward pass whether its backward syncs
+            self._set_gradient_sync((self._micro_steps + 1) % self._accumulation_steps == 0)
 
     def _at_step_boundary(self) -> bool:
         return self._micro_steps % self._accumulation_steps == 0
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether the last ``backward`` ended an accumulation cycle: its gradients are synced
+        and ``optimizer.step()`` updates. Step an LR scheduler, clip or log only when it is True."""
+        return self._at_step_boundary()
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the gradients of ``optimizer``'s parameters to a total norm of ``max_norm``, after their sync.
+
+        For the eager loop, between ``backward`` and ``optimizer.step()``. fp16 gradients are
+        unscaled first, once (the step does not unscale them again). Inside an accumulation
+        cycle it does nothing and returns None; otherwise it returns the norm before clipping.
+        """
+        if not self.sync_gradients:
+            return None
+        self.precision.unscale(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        return self._clip_grad_norm(params, max_norm, norm_type)
+
+    def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Replicated gradients: the local norm is the global one. Sharded strategies reduce it."""
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        """Whether the next forward/backward synchronises gradients (DDP's require_backward_grad_sync)."""
 
     @contextmanager
     def accumulate(self, steps: int) -> Iterator[None]:
         """Inside, gradients of ``steps`` consecutive micro-batches are summed before each update.
 
-        ``backward`` skips the all-reduce on the first ``steps - 1`` micro-batches (DDP's
-        ``no_sync``) and scales the loss by ``1/steps``; ``optimizer.step()`` and
-        ``zero_grad()`` act only on the last, so the loop itself does not change. An update
-        over k micro-batches of size b equals one over a batch of k*b.
+        The first ``steps - 1`` micro-batches skip the all-reduce (DDP's ``no_sync``, decided
+        before their forward pass), ``backward`` scales the loss by ``1/steps``, and
+        ``optimizer.step()`` and ``zero_grad()`` act only on the last, so the loop itself does
+        not change. An update over k micro-batches of size b equals one over a batch of k*b.
+        ``strategy.sync_gradients`` says whether the last ``backward`` ended a cycle: step an LR
+        scheduler only then. ``train_step(..., accumulate=k)`` does all of this by itself.
         """
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"accumulate() takes a positive number of micro-steps, got {steps!r}")
         if self._accumulation_steps != 1:
             raise RuntimeError("accumulate() is already active; nest the loop in one accumulate() only")
         self._accumulation_steps, self._micro_steps = steps, 0
+        self._set_gradient_sync(steps == 1)
         try:
             yield
         finally:
             leftover = self._micro_steps % steps
             self._accumulation_steps, self._micro_steps = 1, 0
+            self._set_gradient_sync(True)
             if leftover:
                 warnings.warn(
                     f"accumulate({steps}) ended {leftover} micro-step(s) into a cycle; their gradients are "
@@ -208,6 +264,11 @@ class Strategy(ABC):
         with self._guard():
             return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the chief only, flushed: one line per job, not one per replica."""
+        if self.is_chief:
+            print(*args, **{"flush": True, **kwargs})
+
     def barrier(self) -> None:
         """Wait until every replica gets here."""
         with self._guard():
@@ -269,7 +330,7 @@ class Strategy(ABC):
         )
 
 
-WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
+WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule, OptimizedModule)
 
 
 def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
@@ -283,8 +344,10 @@ def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
 def unwrap(model: nn.Module) -> nn.Module:
     """The module the user passed to ``prepare``, from whatever wrappers the strategy added.
 
-    Only loom's wrappers are peeled: a user's model may well have a submodule named ``module``.
+    Only loom's wrappers and ``torch.compile``'s are peeled: a user's model may well have a
+    submodule named ``module``. Checkpoint keys come from the unwrapped module, so they do
+    not depend on compilation, precision or DDP.
     """
     while isinstance(model, WRAPPERS):
-        model = model.module
+        model = model._orig_mod if isinstance(model, OptimizedModule) else model.module
     return model

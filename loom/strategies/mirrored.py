@@ -7,6 +7,7 @@ argument, kept in ``loom.comm.compression``.
 
 from __future__ import annotations
 
+import re
 from contextlib import ExitStack
 from typing import Any, ContextManager
 
@@ -19,6 +20,7 @@ from loom.comm import Connection, compression_hook
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
+from loom.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 class MirroredStrategy(Strategy):
@@ -32,6 +34,13 @@ class MirroredStrategy(Strategy):
         timeout: seconds a collective may wait before the job fails naming the missing rank
             (default: ``LOOM_TIMEOUT``, else 300).
         backend: ``"gloo"`` or ``"nccl"``; default from the device.
+        find_unused_parameters: DDP's option for models with parameters that some steps do not
+            use (a branch not taken, a frozen head); costs a graph walk per step.
+        static_graph: DDP's option for a graph that is the same every step (lets it skip
+            that walk, and allows reentrant activation checkpointing).
+        broadcast_buffers: DDP's option: replica 0's buffers (BatchNorm statistics) copied to
+            every replica before each forward.
+        sync_batchnorm: BatchNorm layers compute their statistics over the global batch.
     """
 
     def __init__(
@@ -42,6 +51,10 @@ class MirroredStrategy(Strategy):
         precision: str = "32",
         timeout: float | None = None,
         backend: str | None = None,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+        broadcast_buffers: bool = True,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(precision=precision, timeout=timeout)
         if not TorchrunEnvironment.detect():
@@ -53,6 +66,8 @@ class MirroredStrategy(Strategy):
         self._check_topology(num_replicas)
         self._hook = compression_hook(compression)
         self.bucket_cap_mb = bucket_cap_mb
+        self.ddp_options = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph, "broadcast_buffers": broadcast_buffers}
+        self.sync_batchnorm = sync_batchnorm
         self._device = local_device(self.cluster.local_rank)
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
         self._ddp: list[DistributedDataParallel] = []
@@ -84,11 +99,14 @@ class MirroredStrategy(Strategy):
         return self._device
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
-        ddp = DistributedDataParallel(
+        if self.sync_batchnorm:
+            module = convert_sync_batchnorm(module, self._device)
+        ddp = ReplicatedModule(
             module,
             device_ids=[self._device] if self._device.type == "cuda" else None,
             bucket_cap_mb=self.bucket_cap_mb,
             gradient_as_bucket_view=True,
+            **self.ddp_options,
         )
         if self._hook is not None:
             ddp.register_comm_hook(None, self._hook)
@@ -100,6 +118,33 @@ class MirroredStrategy(Strategy):
         for ddp in self._ddp:
             stack.enter_context(ddp.no_sync())
         return stack
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        for ddp in self._ddp:
+            ddp.require_backward_grad_sync = enabled
+
+
+class ReplicatedModule(DistributedDataParallel):
+    """DDP, with its unused-parameter error turned into one line that names the parameters."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as error:
+            if "Expected to have finished reduction" not in str(error) or self.find_unused_parameters:
+                raise
+            raise RuntimeError(self._unused_message(str(error))) from None
+
+    def _unused_message(self, error: str) -> str:
+        names = [n for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", error)
+        unused = [names[int(i)] for i in re.findall(r"\d+", found.group(1)) if int(i) < len(names)] if found else []
+        which = f"parameter(s) {', '.join(unused)}" if unused else "some parameters"
+        return (
+            f"{which} got no gradient in the previous step (not used to compute the loss), which DDP cannot "
+            "sync by default: pass find_unused_parameters=True to the strategy, "
+            "or freeze them with requires_grad_(False)"
+        )
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):

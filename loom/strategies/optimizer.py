@@ -8,22 +8,22 @@ import torch
 
 
 class StrategyOptimizer(torch.optim.Optimizer):
-    """Skips ``step``/``zero_grad`` inside a gradient-accumulation cycle and unscales fp16 gradients.
+    """Skips ``step``/``zero_grad`` inside a gradient-accumulation cycle; steps through the precision.
 
     It owns no state: ``state`` and ``param_groups`` are the wrapped optimizer's, so LR
     schedulers (which need an ``Optimizer``) and checkpoints see the real thing. It subclasses
     ``Optimizer`` for those isinstance checks and deliberately skips its ``__init__``.
+    ``precision`` is the strategy's ``Precision``: fp16 steps go through its gradient scaler.
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        scaler: torch.amp.GradScaler | None = None,
-        should_step: Callable[[], bool] = lambda: True,
-    ) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[], bool] = lambda: True) -> None:
         self.optimizer = optimizer
-        self.scaler = scaler
+        self.precision = precision
         self._should_step = should_step
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -44,13 +44,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         if not self._should_step():
             return None
-        if self.scaler is None:
-            return self.optimizer.step(closure)
-        if closure is not None:
-            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
-        result = self.scaler.step(self.optimizer)
-        self.scaler.update()
-        return result
+        return self.precision.step(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._should_step():
@@ -72,3 +66,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"StrategyOptimizer({self.optimizer!r})"
+
+
+def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The user's optimizer, from loom's wrapper or as it is."""
+    return optimizer.optimizer if isinstance(optimizer, StrategyOptimizer) else optimizer

@@ -3,12 +3,56 @@
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 from torch import nn
 
+from loom.strategies.optimizer import inner_optimizer
+
 DTYPES: dict[str, torch.dtype | None] = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+
+
+class GradScaler(torch.amp.GradScaler):
+    """torch's GradScaler, made safe for loops that do not follow its recipe to the letter.
+
+    - The scale is updated once per iteration, after every optimizer has stepped (torch's
+      recipe). ``step`` only marks the update as due; it runs before the next loss is scaled
+      or the state is saved. Updating after each optimizer halved the scale between the first
+      optimizer's step and the second's unscale when the first found an inf: the second's
+      update came out 2x too large.
+    - loom's optimizer wrapper and the optimizer inside it are one optimizer here, so
+      ``unscale_(opt)`` before clipping is not repeated by ``opt.step()``.
+    """
+
+    def __init__(self, device: str) -> None:
+        super().__init__(device)
+        self._update_due = False
+
+    def scale(self, outputs: Any) -> Any:  # type: ignore[override]
+        self.settle()
+        return super().scale(outputs)
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(inner_optimizer(optimizer))
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        result = super().step(inner_optimizer(optimizer), *args, **kwargs)
+        self._update_due = True
+        return result
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        self._update_due = False
+        super().update(new_scale)
+
+    def settle(self) -> None:
+        """Run the update a finished iteration is owed."""
+        if self._update_due:
+            self.update()
+
+    def state_dict(self) -> dict[str, Any]:
+        self.settle()
+        return super().state_dict()
 
 
 class Precision:
@@ -20,7 +64,7 @@ class Precision:
         self.name = name
         self.dtype = DTYPES[name]
         self.device_type = device.type
-        self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
+        self.scaler = GradScaler(device.type) if name == "16-mixed" else None
 
     def autocast(self) -> ContextManager[Any]:
         if self.dtype is None:
@@ -32,6 +76,19 @@ class Precision:
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.scaler is None else self.scaler.scale(loss)
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients back to their true size before clipping; once per update, whoever asks."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        """The optimizer's step, through the scaler (skipped when fp16 gradients overflowed)."""
+        if self.scaler is None:
+            return inner_optimizer(optimizer).step(closure)
+        if closure is not None:
+            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
+        return self.scaler.step(optimizer)
 
 
 class AutocastModule(nn.Module):

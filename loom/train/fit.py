@@ -106,12 +106,19 @@ def fit(
     checkpoint_every: int | None = None,
     keep_checkpoints: int = 3,
     async_checkpoint: bool = False,
+    scheduler: Any = None,
+    max_grad_norm: float | None = None,
+    accumulate: int = 1,
 ) -> dict[str, list[float]]:
     """Train ``model`` for ``epochs`` under ``strategy`` (default: what the launch implies).
 
-    ``batch_size`` is the global batch. With ``log_dir`` the chief writes TensorBoard scalars
-    there. Returns the history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s),
-    reduced over all replicas, which is also what callbacks receive.
+    ``batch_size`` is the global batch. Each batch is one ``strategy.train_step``: ``scheduler``
+    (an LR scheduler, or a factory ``lambda opt: StepLR(opt, 10)``) steps once per update,
+    ``max_grad_norm`` clips after the gradient sync, ``accumulate=k`` runs every batch as k
+    micro-batches. With ``log_dir`` the chief writes TensorBoard scalars there. Returns the
+    history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s), reduced over all
+    replicas and counting each real sample once (not the padding of an uneven last batch),
+    which is also what callbacks receive.
 
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
     ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
@@ -120,6 +127,9 @@ def fit(
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
     prepared, opt = strategy.prepare(model, optimizer)
+    if scheduler is not None and not hasattr(scheduler, "step"):
+        scheduler = scheduler(opt)
+    step = strategy.train_step(prepared, loss_fn, opt, scheduler=scheduler, max_grad_norm=max_grad_norm, accumulate=accumulate)
     train = strategy.distribute(train_data, batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
     val = strategy.distribute(val_data, train.global_batch, shuffle=False) if val_data is not None else None
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
@@ -139,13 +149,13 @@ def fit(
         totals = _Totals(metrics_, strategy.device)
         prepared.train()
         start = time.perf_counter()
-        for inputs, targets in train:
-            outputs = prepared(inputs)
-            loss = loss_fn(outputs, targets)
-            strategy.backward(loss)
-            opt.step()
-            opt.zero_grad()
-            totals.add(outputs, targets, loss, len(targets))
+        for k, (inputs, targets) in enumerate(train):
+            loss = step(inputs, targets)
+            n = train.valid_count(k)  # the padding of an uneven last batch is trained on, not counted
+            if n == len(targets):
+                totals.add(step.outputs, targets, loss, n)
+            elif n:
+                totals.add(step.outputs, targets, loss_fn(step.outputs[:n], targets[:n]), n)
             state.step += 1
             for cb in hooks:
                 cb.on_batch_end(state, loss)

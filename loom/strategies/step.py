@@ -1,0 +1,149 @@
+"""The strategy-owned training step: one call per global batch, one optimizer update.
+
+A strategy that can run the eager loop (``backward``, then ``optimizer.step()``) runs this
+step from the same pieces, so both give the same parameters. Strategies whose step cannot be
+eager (a pipeline schedule, one compiled XLA program) replace ``Strategy.train_step`` and keep
+its signature and meaning:
+
+- the batch is this replica's share of the global batch; with ``accumulate=k`` it is run as k
+  micro-batches whose gradients are summed locally and synchronised once, after the last;
+- fp16 losses are scaled, and the gradients unscaled once, before clipping;
+- ``max_grad_norm`` clips the norm of the gradients after they are synchronised;
+- the scheduler steps once per update, never per micro-batch;
+- the loss comes back detached and on the device: reading it is the caller's device sync.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+from loom.strategies.optimizer import inner_optimizer
+
+if TYPE_CHECKING:
+    from loom.strategies.base import Strategy
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class TrainStep:
+    """``loss = step(inputs, targets)``: forward, loss, backward, sync, unscale, clip, update, schedule, zero_grad."""
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+    ) -> None:
+        if not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"train_step(accumulate=...) takes a positive number of micro-batches, got {accumulate!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            raise TypeError(f"scheduler must be an LR scheduler (with .step()), not {type(scheduler).__name__}")
+        self.strategy = strategy
+        self.model = model
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.max_grad_norm = max_grad_norm
+        self.accumulate = accumulate
+        self.outputs: Any = None  # the last batch's outputs, detached (for metrics)
+        self.grad_norm: torch.Tensor | None = None  # the last update's norm before clipping
+
+    def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
+        strategy = self.strategy
+        if strategy._accumulation_steps != 1:
+            raise RuntimeError(
+                "train_step runs its own accumulation: pass accumulate=k to train_step() instead of "
+                "calling it inside strategy.accumulate()"
+            )
+        size = _batch_len(targets)
+        chunks = _micro_batches(inputs, targets, self.accumulate, size)
+        loss_sum: torch.Tensor | None = None
+        outputs = []
+        for i, (x, y) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            weight = _batch_len(y) / size  # the chunks' losses add up to the batch mean
+            with strategy._guard(), (nullcontext() if last else strategy._skip_gradient_sync()):
+                out = self.model(x)
+                loss = self.loss_fn(out, y)
+                strategy.precision.scale(loss * weight).backward()
+            outputs.append(_detached(out))
+            part = loss.detach() * weight
+            loss_sum = part if loss_sum is None else loss_sum + part
+        self.outputs = outputs[0] if len(outputs) == 1 else _concat(outputs)
+        self._update()
+        assert loss_sum is not None
+        return loss_sum
+
+    def _update(self) -> None:
+        precision = self.strategy.precision
+        if self.max_grad_norm is not None:
+            precision.unscale(self.optimizer)
+            self.grad_norm = self.strategy._clip_grad_norm(_parameters(self.optimizer), self.max_grad_norm)
+        precision.step(self.optimizer)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
+
+
+def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    raise TypeError(f"train_step needs targets with a batch dimension (a tensor, or a list/dict of them), got {type(batch).__name__}")
+
+
+def _micro_batches(inputs: Any, targets: Any, k: int, size: int) -> list[tuple[Any, Any]]:
+    if k == 1:
+        return [(inputs, targets)]
+    if size < k:
+        raise ValueError(f"train_step(accumulate={k}) cannot split this replica's batch of {size} into {k} micro-batches; use a global batch of at least {k} per replica")
+    bounds = [round(size * i / k) for i in range(k + 1)]
+    return [(_slice(inputs, a, b), _slice(targets, a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_slice(b, start, stop) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _slice(v, start, stop) for k, v in batch.items()}
+    return batch
+
+
+def _detached(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (list, tuple)):
+        return type(out)(_detached(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _detached(v) for k, v in out.items()}
+    return out
+
+
+def _concat(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts)
+    if isinstance(first, (list, tuple)):
+        return type(first)(_concat(list(p)) for p in zip(*parts))
+    if isinstance(first, dict):
+        return {k: _concat([p[k] for p in parts]) for k in first}
+    return first

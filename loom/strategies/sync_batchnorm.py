@@ -1,0 +1,67 @@
+"""Batch statistics over the global batch: ``MirroredStrategy(sync_batchnorm=True)``.
+
+On CUDA this is torch's ``SyncBatchNorm``. torch's refuses CPU tensors, so on CPU (gloo) the
+layers become ``GlooSyncBatchNorm``: the same state-dict keys, with its mean and variance
+all-reduced through ``torch.distributed.nn``'s differentiable all-reduce. Its backward sums
+every replica's gradient of the statistics, which DDP's averaging then turns into the
+gradient of the global batch's mean loss: N replicas equal one replica on the global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class GlooSyncBatchNorm(nn.SyncBatchNorm):
+    """SyncBatchNorm for CPU tensors; two all-reduces per layer (mean, then variance) for accuracy."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(input)
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        dims = [0, *range(2, input.dim())]
+        shape = [1, -1] + [1] * (input.dim() - 2)
+        local = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype, device=input.device)
+        sums = dist_fn.all_reduce(torch.cat([input.sum(dims), local]))
+        count = sums[-1]
+        mean = sums[:-1] / count
+        centered = input - mean.reshape(shape)
+        var = dist_fn.all_reduce(centered.pow(2).sum(dims)) / count
+        if self.track_running_stats:
+            self._track(mean.detach(), var.detach(), count.detach())
+        out = centered * torch.rsqrt(var + self.eps).reshape(shape)
+        if self.affine:
+            out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
+        return out
+
+    @torch.no_grad()
+    def _track(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
+        """Running statistics as ``_BatchNorm`` keeps them: unbiased variance, momentum or cumulative."""
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+        unbiased = var * count / (count - 1).clamp(min=1)
+        self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+
+
+def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module:
+    """Every BatchNorm layer of ``module`` replaced by one that computes global-batch statistics."""
+    if device.type != "cpu":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    if isinstance(module, _BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
+        synced = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+        synced.load_state_dict(module.state_dict())
+        synced.train(module.training)
+        if module.affine:  # keep the very Parameter objects: an optimizer may already hold them
+            synced.weight, synced.bias = module.weight, module.bias
+        return synced
+    for name, child in module.named_children():
+        converted = convert_sync_batchnorm(child, device)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
