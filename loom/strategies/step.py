@@ -89,7 +89,7 @@ class TrainStep:
         if self.max_grad_norm is not None:
             precision.unscale(self.optimizer)
             self.grad_norm = self.strategy._clip_grad_norm(_parameters(self.optimizer), self.max_grad_norm)
-        precision.step(self.optimizer)
+        self.optimizer.step()  # loom's optimizer steps through the precision's scaler
         if self.scheduler is not None:
             self.scheduler.step()
         inner_optimizer(self.optimizer).zero_grad(set_to_none=True)

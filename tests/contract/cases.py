@@ -1,0 +1,172 @@
+"""The behaviours every strategy keeps, each a function of a strategy factory.
+
+``make(**options)`` builds the strategy under test in this process (with ``precision=``); a
+case returns plain values and tensors, which the tests compare with OneDeviceStrategy's on
+the same global batch. Every replica runs every case; the runners return each replica's
+results so the tests can also check that the replicas agree.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import loom
+
+GLOBAL_BATCH = 16
+STEPS = 3
+Make = Callable[..., loom.Strategy]
+
+
+def data(n: int = GLOBAL_BATCH * STEPS, seed: int = 3) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 6, generator=g)
+    return TensorDataset(x, ((x[:, 0] + x[:, 1]) > 0).long())
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in loom.unwrap(model).state_dict().items()}
+
+
+def _train(make: Make, optimizer: Callable = sgd, precision: str = "32", batch: int = GLOBAL_BATCH, **step_options: Any) -> dict[str, Any]:
+    strategy = make(precision=precision)
+    model, opt = strategy.prepare(mlp(), optimizer)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if step_options.pop("schedule", False) else None
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=scheduler, **step_options)
+    seen = []
+    loom.unwrap(model)[0].register_forward_hook(lambda module, args, out: seen.append(str(out.dtype)))
+    norms = []
+    for x, y in strategy.distribute(data(), batch_size=batch, shuffle=False):
+        step(x, y)
+        if step.grad_norm is not None:
+            norms.append(float(step.grad_norm))
+    return {"weights": weights(model), "lr": opt.param_groups[0]["lr"], "norms": norms, "forward_dtypes": sorted(set(seen))}
+
+
+def sgd_momentum(make: Make) -> dict[str, Any]:
+    return _train(make)
+
+
+def adamw_weight_decay(make: Make) -> dict[str, Any]:
+    return _train(make, adamw)
+
+
+def eager_loop(make: Make) -> dict[str, Any]:
+    """The eager loop gives what ``train_step`` gives (compared with ``sgd_momentum``)."""
+    strategy = make()
+    model, opt = strategy.prepare(mlp(), sgd)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        strategy.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    return {"weights": weights(model)}
+
+
+def bf16_mixed(make: Make) -> dict[str, Any]:
+    return _train(make, precision="bf16-mixed")
+
+
+def fp16_mixed(make: Make) -> dict[str, Any]:
+    return _train(make, adamw, precision="16-mixed")
+
+
+def accumulate_in_step(make: Make) -> dict[str, Any]:
+    """Two micro-batches per batch equal the batch at once (compared with ``sgd_momentum``)."""
+    return _train(make, accumulate=2)
+
+
+def accumulate_eager(make: Make) -> dict[str, Any]:
+    """``accumulate(2)`` over half-size batches equals the whole batch (compared with ``sgd_momentum``)."""
+    strategy = make()
+    model, opt = strategy.prepare(mlp(), sgd)
+    with strategy.accumulate(2):
+        for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH // 2, shuffle=False):
+            strategy.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    return {"weights": weights(model)}
+
+
+def clipping(make: Make) -> dict[str, Any]:
+    return _train(make, max_grad_norm=0.05)
+
+
+def step_lr(make: Make) -> dict[str, Any]:
+    return _train(make, accumulate=2, schedule=True)
+
+
+def reduce_and_gather(make: Make) -> dict[str, Any]:
+    strategy = make()
+    mine = strategy.replica_id + 1
+    return {
+        "sum": strategy.reduce(mine, "sum"),
+        "mean": float(strategy.reduce(torch.tensor(float(mine)), "mean")),
+        "max": strategy.reduce(mine, "max"),
+        "gathered": strategy.gather(torch.tensor([mine])).tolist(),
+        "replicas": strategy.num_replicas_in_sync,
+    }
+
+
+def fit_metrics(make: Make) -> dict[str, Any]:
+    """Losses and accuracy over every replica's samples; 40 validation samples leave an uneven last batch."""
+    history = loom.fit(mlp(), F.cross_entropy, sgd, data(), val_data=data(40, 9), epochs=2, batch_size=GLOBAL_BATCH,
+                       shuffle=False, metrics=["accuracy"], strategy=make(), progress=False)  # fmt: skip
+    return {k: v for k, v in history.items() if k != "samples_per_sec"}
+
+
+def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, Any]:
+    """Save a trained model and optimizer under this strategy; restore OneDevice's checkpoint into it."""
+    strategy = make()
+    model, opt = strategy.prepare(mlp(), sgd)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        strategy.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    strategy.save(directory, step=STEPS, model=model, optimizer=opt)
+    fresh, fresh_opt = strategy.prepare(mlp(), sgd)
+    strategy.restore(reference, model=fresh, optimizer=fresh_opt)
+    momentum = {k: v["momentum_buffer"].clone() for k, v in fresh_opt.state_dict()["state"].items()}
+    return {"saved": weights(model), "restored": weights(fresh), "restored_momentum": momentum}
+
+
+CASES: dict[str, Callable[..., dict[str, Any]]] = {
+    fn.__name__: fn
+    for fn in (sgd_momentum, adamw_weight_decay, eager_loop, bf16_mixed, fp16_mixed, accumulate_in_step,
+               accumulate_eager, clipping, step_lr, reduce_and_gather, fit_metrics, save_and_restore)
+}  # fmt: skip
+
+
+def run_case(name: str, make: Make, checkpoints: Path) -> dict[str, Any]:
+    """One case, with the checkpoint directories ``save_and_restore`` needs."""
+    if name == "save_and_restore":
+        return CASES[name](make, checkpoints / "saved", checkpoints / "reference")
+    return CASES[name](make)
+
+
+def save_reference(directory: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint every strategy restores: one SGD step on OneDevice, momentum included."""
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(mlp(), sgd)
+    x, y = data()[:GLOBAL_BATCH]
+    strategy.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    strategy.save(directory, step=1, model=model, optimizer=opt)
+    return weights(model)

@@ -1,0 +1,83 @@
+"""Runners: each strategy runs every contract case once, in one launched job, shared by the tests."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loom
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from tests.contract.cases import CASES, run_case, save_reference
+from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
+
+SCRIPT = str(SCRIPTS / "contract_job.py")
+STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server"]
+
+
+def _one_device(directory: Path) -> list[dict[str, Any]]:
+    make = lambda **options: loom.OneDeviceStrategy(**options)  # noqa: E731
+    return [{name: run_case(name, make, directory) for name in CASES}]
+
+
+def _launched(directory: Path, name: str) -> list[dict[str, Any]]:
+    if name == "mirrored":
+        done = loom_run(["run", "--nproc", "2", "--timeout", "60", SCRIPT, "--strategy", name, "--dir", str(directory)], timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+    else:  # two nodes of one process each
+        for code, _, err in wait_all(start_nodes(2, 1, [SCRIPT, "--strategy", name, "--dir", str(directory)]), timeout=240):
+            assert code == 0, err[-3000:]
+    return [torch.load(directory / f"results-{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _parameter_servers(directory: Path) -> list[dict[str, Any]]:
+    """Two synchronous workers (threads) on two fresh in-process servers for each case."""
+    results: list[dict[str, Any]] = [{}, {}]
+    for name in CASES:
+        servers = [ParameterServer("contract") for _ in range(2)]
+        addresses = [f"127.0.0.1:{s.serve(free_port())}" for s in servers]
+
+        def work(worker: int, name: str = name, addresses: list[str] = addresses) -> None:
+            make = lambda **o: ParameterServerStrategy(addresses, token="contract", worker=worker, num_workers=2, synchronous=True, **o)  # noqa: E731
+            try:
+                results[worker][name] = run_case(name, make, directory)
+            except Exception as error:  # noqa: BLE001 - reported by the case's test
+                results[worker][name] = {"error": f"{type(error).__name__}: {error}"}
+
+        threads = [threading.Thread(target=work, args=(w,), daemon=True) for w in range(2)]
+        for t in threads:
+            t.start()
+        for w, t in enumerate(threads):
+            t.join(timeout=30)
+            results[w].setdefault(name, {"error": "TimeoutError: the case did not finish within 30 s"})
+        for s in servers:
+            s.stop()
+    return results
+
+
+@pytest.fixture(scope="session")
+def reference_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    root = tmp_path_factory.mktemp("contract")
+    return root, save_reference(root / "reference")
+
+
+@pytest.fixture(scope="session")
+def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> Any:
+    """``contract_results(strategy)``: every replica's results, each strategy run once per session."""
+    root, _ = reference_checkpoint
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def get(name: str) -> list[dict[str, Any]]:
+        if name not in cache:
+            directory = root / name
+            directory.mkdir()
+            (directory / "reference").symlink_to(root / "reference")
+            runner = {"one_device": _one_device, "parameter_server": _parameter_servers}.get(name)
+            cache[name] = runner(directory) if runner else _launched(directory, name)
+        return cache[name]
+
+    return get
