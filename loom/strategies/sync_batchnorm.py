@@ -16,14 +16,20 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 
-class GlooSyncBatchNorm(nn.SyncBatchNorm):
-    """SyncBatchNorm for CPU tensors; two all-reduces per layer (mean, then variance) for accuracy."""
+class GlooSyncBatchNorm(_BatchNorm):
+    """SyncBatchNorm for CPU tensors; two all-reduces per layer (mean, then variance) for accuracy.
+
+    Not a subclass of torch's ``SyncBatchNorm``, which DDP refuses on CPU.
+    """
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(input)
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        self._check_input_dim(input)
         dims = [0, *range(2, input.dim())]
         shape = [1, -1] + [1] * (input.dim() - 2)
         local = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype, device=input.device)

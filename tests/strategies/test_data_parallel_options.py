@@ -1,0 +1,118 @@
+"""DDP's options through MirroredStrategy, in one 2-rank job shared by the assertions."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+import loom
+from tests.helpers import run_ranks
+
+
+def _with_unused_head() -> nn.Module:
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 2)
+            self.head = nn.Linear(2, 2)  # never used in forward
+
+        def forward(self, x):
+            return self.body(x)
+
+    torch.manual_seed(0)
+    return Net()
+
+
+def _with_batchnorm() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _batches(strategy, steps=3, batch=16):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(steps * batch, 4, generator=g) * 3 + 1
+    data = torch.utils.data.TensorDataset(x, (x[:, 0] > 1).long())
+    return strategy.distribute(data, batch_size=batch, shuffle=False)
+
+
+def _train_batchnorm(strategy):
+    model, opt = strategy.prepare(_with_batchnorm(), lambda p: torch.optim.SGD(p, lr=0.1))
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    for x, y in _batches(strategy):
+        step(x, y)
+    return {k: v.detach().clone() for k, v in loom.unwrap(model).state_dict().items()}
+
+
+def _job():
+    found = {}
+    strategy = loom.MirroredStrategy(timeout=30)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        strategy.print("once per job")
+    found["printed"] = printed.getvalue()
+
+    model, opt = strategy.prepare(_with_unused_head(), lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        for x, y in _batches(strategy):
+            strategy.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as error:
+        found["unused_error"] = str(error)
+    tolerant = loom.MirroredStrategy(timeout=30, find_unused_parameters=True)
+    model, opt = tolerant.prepare(_with_unused_head(), lambda p: torch.optim.SGD(p, lr=0.1))
+    step = tolerant.train_step(model, F.cross_entropy, opt)
+    found["unused_steps"] = sum(1 for x, y in _batches(tolerant) if step(x, y) is not None)
+
+    found["sync_batchnorm"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True))
+
+    model, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    calls = []
+
+    def counting_all_reduce(state, bucket):
+        calls.append(1)
+        return allreduce_hook(state, bucket)
+
+    strategy._ddp[-1].register_comm_hook(None, counting_all_reduce)
+    with strategy.accumulate(4):
+        for x, y in _batches(strategy, steps=8, batch=4):
+            strategy.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+    found["all_reduces"] = len(calls)
+    strategy.shutdown()
+    return found
+
+
+@pytest.fixture(scope="module")
+def job():
+    return run_ranks(_job, 2, timeout=120)
+
+
+def test_print_prints_on_the_chief_only(job):
+    assert [rank["printed"] for rank in job] == ["once per job\n", ""]
+
+
+def test_an_unused_parameter_is_named_with_the_option_to_set(job):
+    for rank in job:
+        assert rank["unused_error"].startswith("parameter(s) head.weight, head.bias got no gradient in the previous step")
+        assert "pass find_unused_parameters=True to the strategy" in rank["unused_error"]
+        assert rank["unused_steps"] == 3
+
+
+def test_sync_batchnorm_uses_the_global_batch_statistics(job):
+    """Two replicas with synchronised BatchNorm equal one replica on the global batch, running statistics too."""
+    reference = _train_batchnorm(loom.OneDeviceStrategy())
+    for rank in job:
+        for key, value in reference.items():
+            torch.testing.assert_close(rank["sync_batchnorm"][key], value, rtol=1e-5, atol=1e-5, msg=key)
+    assert (reference["1.running_mean"] - torch.zeros(8)).abs().max() > 0.1  # the statistics moved
+
+
+def test_accumulation_all_reduces_once_per_update(job):
+    """accumulate(4) over 8 micro-batches: 2 updates, so 2 all-reduces of the one bucket (not 8)."""
+    assert [rank["all_reduces"] for rank in job] == [2, 2]

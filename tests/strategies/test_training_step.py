@@ -1,0 +1,116 @@
+"""Mixed precision, clipping and scheduling in one process: the set-ups that trained silently wrong."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+
+
+def _linear(seed: int) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(4, 1)
+
+
+def test_two_optimizers_under_fp16_each_update_at_its_true_size():
+    """The first optimizer's gradients overflow and its step is skipped; the second's must not
+    be unscaled by a scale that the first one's update already halved (it came out 2x)."""
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    a, b = _linear(0), _linear(1)
+    model_a, opt_a = strategy.prepare(a, lambda p: torch.optim.SGD(p, lr=1e-3))
+    model_b, opt_b = strategy.prepare(b, lambda p: torch.optim.SGD(p, lr=1e-3))
+    x = torch.rand(8, 4) * 0.1  # b's scaled gradient stays finite
+    before = b.weight.detach().clone()
+    loss = model_a(torch.full((8, 4), 6e4)).pow(2).mean() + model_b(x).mean() / 2  # a's gradient overflows fp16, b's not
+    strategy.backward(loss)
+    gradient = b.weight.grad / opt_b.scaler.get_scale()
+    opt_a.step()
+    opt_b.step()
+    torch.testing.assert_close(before - b.weight.detach(), 1e-3 * gradient)
+    scale = opt_a.scaler.get_scale()
+    strategy.backward(model_b(x).mean())  # the next iteration's scale is updated once, halved for the inf
+    assert opt_a.scaler.get_scale() == scale / 2
+
+
+def test_clipping_after_unscaling_unscales_once():
+    """``opt.scaler.unscale_(opt)``, clip, ``opt.step()``: the step must not unscale a second time."""
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    net = _linear(0)
+    model, opt = strategy.prepare(net, lambda p: torch.optim.SGD(p, lr=1e-3))
+    before = net.weight.detach().clone()
+    strategy.backward(model(torch.full((8, 4), 0.25)).mean() / 2)  # x 65536 stays finite in fp16
+    opt.scaler.unscale_(opt)
+    torch.nn.utils.clip_grad_norm_(net.parameters(), 100.0)  # far above the norm: changes nothing
+    gradient = net.weight.grad.clone()
+    opt.step()
+    torch.testing.assert_close(before - net.weight.detach(), 1e-3 * gradient)
+    assert gradient.abs().max() > 0.1  # the true gradient (0.125), not one divided by the scale again
+
+
+def test_clip_gradients_unscales_clips_and_acts_only_when_the_update_comes():
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    net = _linear(0)
+    model, opt = strategy.prepare(net, lambda p: torch.optim.SGD(p, lr=1.0))
+    with strategy.accumulate(2):
+        strategy.backward(model(torch.ones(8, 4)).mean())
+        assert not strategy.sync_gradients and strategy.clip_gradients(opt, 0.1) is None
+        strategy.backward(model(torch.ones(8, 4)).mean())
+        assert strategy.sync_gradients
+        norm = strategy.clip_gradients(opt, 0.1)
+        assert norm == pytest.approx(5**0.5, rel=1e-3)  # d(mean)/dw = 1 for 4 weights and the bias: sqrt(5)
+        clipped = torch.cat([p.grad.flatten() for p in net.parameters()]).norm()
+        assert clipped == pytest.approx(0.1, rel=1e-3)
+
+
+def test_train_step_refuses_to_run_inside_accumulate():
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=0.1))
+    step = strategy.train_step(model, F.mse_loss, opt)
+    with strategy.accumulate(2), pytest.raises(RuntimeError, match=r"pass accumulate=k to train_step\(\) instead"):
+        step(torch.ones(2, 4), torch.ones(2, 1))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"accumulate": 0}, "train_step\\(accumulate=...\\) takes a positive number of micro-batches, got 0"),
+        ({"max_grad_norm": -1.0}, "max_grad_norm must be a positive number, got -1.0"),
+        ({"scheduler": 0.5}, "scheduler must be an LR scheduler \\(with .step\\(\\)\\), not float"),
+    ],
+)
+def test_bad_train_step_options(options, message):
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=0.1))
+    with pytest.raises((ValueError, TypeError), match=message):
+        strategy.train_step(model, F.mse_loss, opt, **options)
+
+
+def test_train_step_with_a_scheduler_steps_it_once_per_update_and_returns_a_lazy_loss():
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=1.0))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = strategy.train_step(model, F.mse_loss, opt, scheduler=scheduler, accumulate=4)
+    loss = step(torch.ones(8, 4), torch.zeros(8, 1))
+    assert opt.param_groups[0]["lr"] == 0.5  # one update of 4 micro-batches: one scheduler step (was 0.0625)
+    assert isinstance(loss, torch.Tensor) and not loss.requires_grad and step.outputs.shape == (8, 1)
+
+
+def test_unwrap_and_checkpoint_keys_ignore_compile_and_precision(tmp_path):
+    """A compiled bf16 model saves under its own keys and restores into a plain model."""
+    strategy = loom.OneDeviceStrategy(precision="bf16-mixed")
+    net = _linear(0)
+    compiled = torch.compile(strategy.prepare(net), backend="eager")
+    assert loom.unwrap(compiled) is net
+    strategy.save(tmp_path, step=1, model=compiled)
+    plain = _linear(5)
+    loom.OneDeviceStrategy().restore(tmp_path, model=plain)
+    assert torch.equal(plain.weight, net.weight)
+
+
+def test_print_is_the_chiefs(capsys, monkeypatch):
+    strategy = loom.OneDeviceStrategy()
+    strategy.print("hello", 1)
+    monkeypatch.setattr(loom.OneDeviceStrategy, "replica_id", property(lambda self: 1))
+    strategy.print("not me")
+    assert capsys.readouterr().out == "hello 1\n"
