@@ -130,7 +130,9 @@ class PipelineLoader:
         lengths = source.lengths()
         if not sum(lengths):
             raise ValueError(f"the pipeline's source ({len(lengths)} shard(s)) holds no elements")
-        self.sharding = choose_sharding(shard_by, source.auto_shard, len(lengths), num_replicas)
+        self.sharding = choose_sharding(
+            shard_by, source.auto_shard, lengths, pipeline.ops, self.per_replica_batch, num_replicas
+        )
         plan_batch = self.global_batch if self.sharding == "sample" else self.per_replica_batch
         self.plan = EpochPlan(
             lengths, pipeline.ops, plan_batch, num_replicas, replica, self.sharding, pipeline.drop_remainder
