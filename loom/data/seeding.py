@@ -31,21 +31,17 @@ class Batch(list):
         self.seed = seed
 
 
-def batch_seed(seed: int, replica: int, epoch: int, batch: int) -> int:
-    """A 64-bit seed mixed from the run's seed and the batch's place (NumPy's SeedSequence)."""
-    words = [seed % _U64, replica, epoch, batch]
-    return int(np.random.SeedSequence(words).generate_state(1, np.uint64)[0])
-
-
-def replica_seed(seed: int, replica: int) -> int:
-    """The seed of a replica's DataLoader generator (workers' ``torch.initial_seed()``)."""
-    return int(np.random.SeedSequence([seed % _U64, replica]).generate_state(1, np.uint64)[0]) >> 1
+def mix(*words: int) -> int:
+    """A 63-bit seed mixed from several numbers (NumPy's SeedSequence): e.g. seed, replica, epoch, batch."""
+    entropy = [w % _U64 for w in words]
+    return int(np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]) >> 1
 
 
 @contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """torch (CPU), NumPy and Python ``random`` seeded from ``seed`` inside, restored after."""
     torch_state, numpy_state, python_state = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    seed %= _U64
     torch.default_generator.manual_seed(seed >> 1)  # CPU only: a CUDA generator is the trainer's
     np.random.seed([seed & 0xFFFFFFFF, seed >> 32])
     random.seed(seed)

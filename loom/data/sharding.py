@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 import torch
 from torch.utils.data import Sampler
 
-from loom.data.seeding import Batch, batch_seed
+from loom.data.seeding import Batch, mix
 
 T = TypeVar("T")
 
@@ -144,7 +144,7 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         order = self.order(self.epoch)
         for batch in range(self.start, len(self.plan)):
             indices = self.plan.replica_slice(order, batch, self.replica)
-            yield Batch(indices, batch_seed(self.seed, self.replica, self.epoch, batch))
+            yield Batch(indices, mix(self.seed, self.replica, self.epoch, batch))
 
 
 def buffer_shuffle(stream: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
