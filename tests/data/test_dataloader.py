@@ -136,3 +136,25 @@ def test_a_position_from_another_global_batch_or_data_set_is_refused():
     other_world = DistributedLoader(indexed(96), 48, 3, 0, CPU)  # sharded by sample: any replica count resumes
     other_world.load_state_dict(saved.state_dict())
     assert len(epoch(other_world)) == 1
+
+
+def real_samples(loader):
+    """What a training loop counts: the first valid_count(k) samples of each batch of this iteration."""
+    return [i for k, b in enumerate(loader) for i in b[0][: loader.valid_count(k)].tolist()]
+
+
+@pytest.mark.parametrize("sampler", [False, True])
+def test_valid_counts_of_a_resumed_shuffled_epoch_count_each_sample_once(sampler):
+    weights = torch.ones(23)
+    kw = {"sampler": WeightedRandomSampler(weights, 23, replacement=False)} if sampler else {"shuffle": True}
+    source = DataLoader(indexed(23), batch_size=8, **kw)  # 3 batches, the last of 7 padded to slices of 4
+    counted = []
+    for r in range(2):
+        first = DistributedLoader(source, None, 2, r, CPU)
+        first.set_epoch(1)
+        it = iter(first)
+        counted += next(it)[0].tolist()
+        resumed = DistributedLoader(source, None, 2, r, CPU)
+        resumed.load_state_dict(first.state_dict())
+        counted += real_samples(resumed)
+    assert sorted(counted) == list(range(23))
