@@ -64,7 +64,8 @@ def main() -> None:
     strategy = loom.auto_strategy()  # one device alone, Mirrored under `loom run --nproc N`
     _, losses = train(strategy)
     if strategy.is_chief:
-        print(f"{strategy.num_replicas_in_sync} replica(s): loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
+        replicas = strategy.num_replicas_in_sync
+        print(f"{replicas} replica(s): loss {losses[0]:.3f} -> {losses[-1]:.3f} in {len(losses)} steps")
 
 
 if __name__ == "__main__":

@@ -56,8 +56,9 @@ class DistributedLoader:
         sampler: Sampler | None = None  # a user's sampler, sharded; None: loom's order
         if isinstance(data, DataLoader):
             request = read_dataloader(data, batch_size, shuffle, drop_last, seed, num_workers, collate_fn)
-            data, batch_size, shuffle, drop_last = request.dataset, request.batch_size, request.shuffle, request.drop_last
-            seed, num_workers, collate_fn = request.seed, request.num_workers, request.collate_fn
+            data, batch_size, seed = request.dataset, request.batch_size, request.seed
+            shuffle, drop_last = request.shuffle, request.drop_last
+            num_workers, collate_fn = request.num_workers, request.collate_fn
             sampler, loader_args = request.sampler, request.loader_args
         elif isinstance(data, TokenStreams):
             batch_size, shuffle = _stream_settings(data, batch_size, shuffle)
@@ -82,10 +83,9 @@ class DistributedLoader:
         self._iterable_tail: tuple[int, int] | None = None  # (batch, real samples here) of an uneven last batch
         self._loader: DataLoader | None = None
         if not isinstance(data, IterableDataset) and hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-            order = None
-            if sampler is not None:
-                order = functools.partial(sampler_order, sampler, seed)
-            self.plan = ShardPlan(len(sampler if sampler is not None else data), batch_size, num_replicas, self.drop_last)
+            order = None if sampler is None else functools.partial(sampler_order, sampler, seed)
+            samples = len(data) if sampler is None else len(sampler)  # type: ignore[arg-type]
+            self.plan = ShardPlan(samples, batch_size, num_replicas, self.drop_last)
             self._sampler = ReplicaBatchSampler(self.plan, replica, self.shuffle, seed, order)
             workers = num_workers or 0
             self._loader = DataLoader(

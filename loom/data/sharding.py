@@ -93,7 +93,8 @@ class ShardPlan:
         """Dataset indices that ``replica`` reads for global batch ``batch``."""
         start = batch * self.global_batch
         members = order[start : start + self.batch_size_of(batch)]
-        return self.slice_of_batch(members.tolist() if isinstance(members, torch.Tensor) else list(members), batch, replica)
+        members = members.tolist() if isinstance(members, torch.Tensor) else list(members)
+        return self.slice_of_batch(members, batch, replica)
 
     def slice_of_batch(self, members: list[T], batch: int, replica: int) -> list[T]:
         """``replica``'s part of global batch ``batch``, given that batch's members in order."""

@@ -59,7 +59,7 @@ def read_dataloader(
     own_shuffle: bool | None = None  # None: the sampler decides
     if type(sampler) is SequentialSampler:
         order, own_shuffle = None, False
-    elif type(sampler) is RandomSampler and not sampler.replacement and sampler._num_samples is None:
+    elif type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         order, own_shuffle = None, True
         if sampler.generator is not None:  # the user seeded it: that seed, not loom's
             seed = sampler.generator.initial_seed()
@@ -125,7 +125,8 @@ def sampler_order(sampler: Sampler, seed: int, epoch: int) -> torch.Tensor:
     try:
         count = len(sampler)  # type: ignore[arg-type]
     except TypeError:
-        raise TypeError(f"the DataLoader's sampler ({type(sampler).__name__}) has no len(); loom needs it to plan the epoch") from None
+        name = type(sampler).__name__
+        raise TypeError(f"the DataLoader's sampler ({name}) has no len(); loom needs it to plan the epoch") from None
     own = getattr(sampler, "generator", None)
     base = own.initial_seed() if own is not None else seed
     draw_seed = mix(base, epoch)
