@@ -39,6 +39,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from loom.data.seeding import mix
 from loom.data.sharding import ShardPlan, buffer_shuffle, epoch_order, epoch_seed, index_dtype
 
 Key = tuple[int, int]  # (shard, index within the shard)
@@ -62,10 +63,14 @@ class IndexOps:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One batch of addresses for one replica; the first ``valid`` are real, the rest padding."""
+    """One batch of addresses for one replica; the first ``valid`` are real, the rest padding.
+
+    ``seed`` is what its maps draw random numbers from (``loom.data.seeding``).
+    """
 
     keys: list[Key]
     valid: int
+    seed: int = 0
 
 
 def choose_sharding(
@@ -176,14 +181,14 @@ class EpochPlan:
         count = self.num_batches(epoch)
         if count is None:  # endless: every global batch is full
             size, lo = self.replica_batch, self.replica * self.replica_batch
-            while True:
+            for batch in itertools.count(start):
                 block = list(itertools.islice(stream, self.batch_size))
-                yield Chunk(self._keys(block[lo : lo + size]), size)
+                yield self._chunk(block[lo : lo + size], size, epoch, batch)
         plan = self._sample_plan()
         for batch in range(start, count):
             block = list(itertools.islice(stream, plan.batch_size_of(batch)))
             mine = plan.slice_of_batch(block, batch, self.replica)
-            yield Chunk(self._keys(mine), plan.valid_count(batch, self.replica))
+            yield self._chunk(mine, plan.valid_count(batch, self.replica), epoch, batch)
 
     def _file_batches(self, epoch: int, start: int) -> Iterator[Chunk]:
         stream = itertools.chain.from_iterable(
@@ -200,16 +205,16 @@ class EpochPlan:
                 valid = len(block)
                 if valid < self.batch_size:
                     block += (first * (self.batch_size // max(len(first), 1) + 1))[: self.batch_size - valid]
-                yield Chunk(self._keys(block), valid)
+                yield self._chunk(block, valid, epoch, batch)
             batch += 1
 
-    def _keys(self, addresses: list[int]) -> list[Key]:
-        """Flat addresses as ``(shard, index)`` pairs."""
+    def _chunk(self, addresses: list[int], valid: int, epoch: int, batch: int) -> Chunk:
+        """Flat addresses as ``(shard, index)`` pairs, with the batch's own seed."""
         keys = []
         for address in addresses:
             shard = bisect.bisect_right(self.ends, address)
             keys.append((shard, address - (self.ends[shard] - self.lengths[shard])))
-        return keys
+        return Chunk(keys, valid, mix(self.ops.seed, self.replica, epoch, batch))
 
     # ---- the stream of one repetition ----------------------------------------------------------
     def _sub_epochs(self, epoch: int) -> Iterator[int]:

@@ -313,3 +313,21 @@ def test_a_shuffled_plan_holds_no_python_object_per_element():
     tracemalloc.stop()
     assert len(first.keys) == 128
     assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB of Python objects for 2,000,000 addresses (was 277 MiB)"
+
+
+def _jitter(x):
+    return torch.stack([x.double(), torch.rand((), dtype=torch.float64), torch.tensor(np.random.rand())])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_random_maps_draw_per_replica_epoch_and_batch_reproducibly(workers):
+    def draws(replica, epoch=0, start=0):
+        pipeline = ld.from_tensors(torch.arange(16)).shuffle(seed=5).map(_jitter, num_parallel=workers or None, method="process")
+        loader = pipeline.batch(4).loader(2, replica)
+        loader.load_state_dict({**loader.state_dict(), "epoch": epoch, "batch": start})
+        return torch.cat(list(loader))
+
+    r0, r1 = draws(0), draws(1)
+    assert len(set(r0[:, 1].tolist() + r1[:, 1].tolist())) == 16 and len(set(r0[:, 2].tolist() + r1[:, 2].tolist())) == 16
+    assert torch.equal(draws(1, epoch=1, start=3), draws(1, epoch=1)[6:])  # a resumed epoch draws as an uninterrupted one
+    assert not torch.equal(draws(0, epoch=1)[:, 1:], r0[:, 1:])
