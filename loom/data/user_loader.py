@@ -15,7 +15,15 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+)
 from torch.utils.data.distributed import DistributedSampler
 
 from loom.data.seeding import mix, seeded
@@ -57,7 +65,9 @@ def read_dataloader(
         )
     order: Sampler | None = sampler
     own_shuffle: bool | None = None  # None: the sampler decides
-    if type(sampler) is SequentialSampler:
+    if isinstance(loader.dataset, IterableDataset):  # a DataLoader cannot shuffle a stream; loom's buffer may
+        order, own_shuffle = None, bool(shuffle)
+    elif type(sampler) is SequentialSampler:
         order, own_shuffle = None, False
     elif type(sampler) is RandomSampler and not sampler.replacement and sampler.num_samples == len(sampler.data_source):
         order, own_shuffle = None, True

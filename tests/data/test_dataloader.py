@@ -62,6 +62,18 @@ def test_dataloader_order_and_drop_last_are_honoured():
     assert global_batches(explicit, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
+def test_a_dataloader_over_a_stream_keeps_its_order_unless_asked_to_shuffle():
+    from tests.data.test_sharding import Stream
+
+    def stream(**kw):
+        per = [[b.tolist() for b in DistributedLoader(DataLoader(Stream(12), batch_size=4), None, 2, r, CPU, **kw)] for r in range(2)]
+        return [i for parts in zip(*per) for part in parts for i in part]
+
+    assert stream() == list(range(12))
+    shuffled = stream(shuffle=True)
+    assert sorted(shuffled) == list(range(12)) and shuffled != list(range(12))
+
+
 def test_conflicting_or_unsplittable_dataloaders_are_refused():
     with pytest.raises(ValueError, match=r"distribute\(shuffle=True\) conflicts with the DataLoader's SequentialSampler \(no shuffle\)"):
         DistributedLoader(DataLoader(indexed(8), batch_size=4), None, 2, 0, CPU, shuffle=True)
