@@ -1,7 +1,8 @@
 """Which samples each replica reads, so N replicas see exactly 1 replica's global batches.
 
-The global order of an epoch is fixed by the seed alone (a permutation of the dataset, or
-dataset order without shuffling). Global batch k is positions ``k*B .. (k+1)*B-1`` of that
+The global order of an epoch is fixed by the seed alone (a permutation of the dataset, dataset
+order without shuffling, or a user's sampler drawn with a seed shared by every replica). It is
+an int32/int64 tensor, 4 or 8 bytes a sample, not a Python list. Global batch k is positions ``k*B .. (k+1)*B-1`` of that
 order and replica r takes the r-th contiguous slice of it. Averaging the replicas' mean
 gradients then gives the mean gradient of the global batch, whatever the number of replicas.
 
@@ -14,8 +15,9 @@ stream whose state carries over between steps (truncated BPTT) lay the data out 
 Uneven last batch (``drop_last=False`` and ``len(data) % B != 0``): its m samples are split
 into slices of ``ceil(m / N)``, the last slices padded by repeating the batch's first samples,
 so every replica runs the same number of steps and no collective waits forever. The padded
-samples are reported by ``valid_count`` so evaluation can leave them out; training on them
-counts a few samples twice in the last step of the epoch (exact only when N divides m).
+samples are reported by ``valid_count`` so evaluation and training metrics can leave them out;
+training on them counts a few samples twice in the last step of the epoch (exact only when N
+divides m). That last batch is the only one with padding.
 """
 
 from __future__ import annotations
