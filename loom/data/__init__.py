@@ -14,6 +14,7 @@ from loom.data.pipeline import (
 from loom.data.runner import PipelineLoader
 from loom.data.sharding import ReplicaBatchSampler, ShardPlan, check_global_batch, epoch_order
 from loom.data.sources import Source
+from loom.data.streams import TokenStreams, stream_batches
 
 __all__ = [
     "DistributedLoader",
@@ -22,6 +23,7 @@ __all__ = [
     "ReplicaBatchSampler",
     "ShardPlan",
     "Source",
+    "TokenStreams",
     "check_global_batch",
     "epoch_order",
     "from_dataset",
@@ -30,6 +32,7 @@ __all__ = [
     "image_folder",
     "numpy_files",
     "parquet",
+    "stream_batches",
     "to_device",
     "webdataset",
 ]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
+from loom.data.seeding import SeededReader, mix, unwrap
 from loom.data.sharding import ReplicaBatchSampler, ShardPlan, buffer_shuffle, check_global_batch, epoch_seed
+from loom.data.streams import TokenStreams
+from loom.data.user_loader import read_dataloader, sampler_order
 
 
 def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -28,7 +32,11 @@ def to_device(batch: Any, device: torch.device, non_blocking: bool = False) -> A
 class DistributedLoader:
     """Iterates this replica's batches; every ``iter()`` is a new epoch, reshuffled.
 
-    ``len()`` is the number of steps per epoch, the same on every replica.
+    Order guarantee: replica r gets the r-th contiguous slice of every global batch (see
+    ``loom.data.sharding``); without shuffle, global batch k is samples ``k*B .. (k+1)*B-1``.
+    Consecutive slices of a replica are not consecutive samples, except for the rows of
+    ``loom.data.stream_batches``. ``len()`` is the number of steps per epoch, the same on
+    every replica. Every batch is read with its own random seed (``loom.data.seeding``).
     """
 
     def __init__(
@@ -38,20 +46,22 @@ class DistributedLoader:
         num_replicas: int,
         replica: int,
         device: torch.device,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool | None = None,
         num_workers: int | None = None,
         collate_fn: Callable | None = None,
     ) -> None:
         loader_args: dict[str, Any] = {}
+        sampler: Sampler | None = None  # a user's sampler, sharded; None: loom's order
         if isinstance(data, DataLoader):
-            # A DataLoader's batch_size is taken as the global batch (as tf.distribute does).
-            batch_size = batch_size or data.batch_size
-            collate_fn = collate_fn or data.collate_fn
-            num_workers = data.num_workers if num_workers is None else num_workers
-            loader_args = {"worker_init_fn": data.worker_init_fn, "multiprocessing_context": data.multiprocessing_context}
-            data = data.dataset
+            request = read_dataloader(data, batch_size, shuffle, drop_last, seed, num_workers, collate_fn)
+            data, batch_size, seed = request.dataset, request.batch_size, request.seed
+            shuffle, drop_last = request.shuffle, request.drop_last
+            num_workers, collate_fn = request.num_workers, request.collate_fn
+            sampler, loader_args = request.sampler, request.loader_args
+        elif isinstance(data, TokenStreams):
+            batch_size, shuffle = _stream_settings(data, batch_size, shuffle)
         if batch_size is None:
             raise ValueError("distribute() needs batch_size= (the global batch, split over the replicas)")
         self.per_replica_batch = check_global_batch(batch_size, num_replicas)
@@ -59,9 +69,9 @@ class DistributedLoader:
         self.num_replicas = num_replicas
         self.replica = replica
         self.device = device
-        self.shuffle = shuffle
+        self.shuffle = True if shuffle is None else shuffle
         self.seed = seed
-        self.drop_last = drop_last
+        self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self._started = False
@@ -73,17 +83,19 @@ class DistributedLoader:
         self._iterable_tail: tuple[int, int] | None = None  # (batch, real samples here) of an uneven last batch
         self._loader: DataLoader | None = None
         if not isinstance(data, IterableDataset) and hasattr(data, "__getitem__") and hasattr(data, "__len__"):
-            self.plan = ShardPlan(len(data), batch_size, num_replicas, drop_last)
-            self._sampler = ReplicaBatchSampler(self.plan, replica, shuffle, seed)
+            order = None if sampler is None else functools.partial(sampler_order, sampler, seed)
+            samples = len(data) if sampler is None else len(sampler)  # type: ignore[arg-type]
+            self.plan = ShardPlan(samples, batch_size, num_replicas, self.drop_last)
+            self._sampler = ReplicaBatchSampler(self.plan, replica, self.shuffle, seed, order)
             workers = num_workers or 0
             self._loader = DataLoader(
-                data,
+                SeededReader(data, self.collate_fn),
                 batch_sampler=self._sampler,
-                collate_fn=self.collate_fn,
+                collate_fn=unwrap,
                 num_workers=workers,
                 pin_memory=device.type == "cuda",
                 persistent_workers=workers > 0,
-                generator=own_generator(seed),
+                generator=own_generator(mix(seed, replica)),
                 **loader_args,
             )
         elif not isinstance(data, Iterable):
@@ -98,13 +110,29 @@ class DistributedLoader:
         self.epoch = epoch
         self._started = False
 
-    def state_dict(self) -> dict[str, int]:
-        """The position: the epoch and how many of its batches were handed out."""
-        return {"epoch": self.epoch, "batch": self.position}
+    def state_dict(self) -> dict[str, int | None]:
+        """The position (the epoch, batches handed out) and what it counts: global batches of a data set's size."""
+        return {
+            "epoch": self.epoch,
+            "batch": self.position,
+            "global_batch": self.global_batch,
+            "samples": self.plan.num_samples if self.plan is not None else None,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """The next ``iter()`` continues that epoch with exactly the next batch."""
-        self.epoch, self._resume_at = state["epoch"], state["batch"]
+    def load_state_dict(self, state: dict[str, int | None]) -> None:
+        """The next ``iter()`` continues that epoch with exactly the next batch; a clear error where it cannot."""
+        samples = self.plan.num_samples if self.plan is not None else None
+        if state.get("samples", samples) != samples:
+            raise ValueError(
+                f"the saved input position is for {state['samples']} samples an epoch; this data has {samples}: "
+                "it is not the same data"
+            )
+        if state.get("global_batch", self.global_batch) != self.global_batch:
+            raise ValueError(
+                f"the saved input position counts global batches of {state['global_batch']}; this run uses "
+                f"{self.global_batch}: resume with the same global batch size"
+            )
+        self.epoch, self._resume_at = int(state["epoch"]), int(state["batch"])  # type: ignore[arg-type]
         self._started = False
 
     @property
@@ -167,6 +195,21 @@ class DistributedLoader:
         plan = ShardPlan(len(chunk), self.global_batch, self.num_replicas)
         self._iterable_tail = (batch, plan.valid_count(0, self.replica))
         return plan.slice_of_batch(chunk, 0, self.replica)
+
+
+def _stream_settings(data: TokenStreams, batch_size: int | None, shuffle: bool | None) -> tuple[int, bool]:
+    """Token streams keep their rows' order and their own batch: anything else breaks a row's state."""
+    if batch_size is not None and batch_size != data.batch_size:
+        raise ValueError(
+            f"distribute(batch_size={batch_size}) differs from the stream_batches layout's {data.batch_size} rows; "
+            "leave batch_size out, or lay the tokens out again with stream_batches(tokens, batch_size, seq_len)"
+        )
+    if shuffle:
+        raise ValueError(
+            "stream_batches data cannot be shuffled: row i of each batch continues row i of the last; "
+            "leave shuffle out or pass shuffle=False"
+        )
+    return data.batch_size, False
 
 
 def own_generator(seed: int) -> torch.Generator:

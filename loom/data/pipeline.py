@@ -107,6 +107,11 @@ class Pipeline:
         reading files); ``"process"`` suits pure-Python work. With ``deterministic=False``
         elements may come out of order, as soon as they are ready. Consecutive maps run
         fused in the same worker; the pipeline uses the largest parallelism asked for.
+
+        Random augmentation: with ``method="process"`` (or no workers) each batch's maps draw
+        from torch, NumPy and ``random`` seeded by (shuffle seed, replica, epoch, batch), so
+        replicas differ and a resumed run draws the same; thread workers share the process's
+        generators, so their draws are neither per batch nor reproducible.
         """
         self._before_batch("map")
         if method not in METHODS:

@@ -24,6 +24,7 @@ from torchdata.nodes import BaseNode, Loader, ParallelMapper, PinMemory, Prefetc
 from loom.data.loader import own_generator, to_device
 from loom.data.plan import Chunk, EpochPlan, choose_sharding
 from loom.data.report import InputStats
+from loom.data.seeding import mix, seeded
 from loom.data.sharding import check_global_batch
 from loom.data.sources import Source
 from loom.errors import DataFileError
@@ -52,14 +53,23 @@ class _BatchWorker:
         maps: tuple[MapStage, ...],
         cache_after: int | None,
         collate: Callable[[list[Any]], Any] | None,
+        seeded: bool,
     ) -> None:
         self.source = source
         self.maps = maps
         self.cache_after = cache_after
         self.collate = collate
+        self.seeded = seeded
         self.cache: dict[tuple[int, int], Any] = {}  # shared by threads; process workers refuse cache()
 
     def __call__(self, chunk: Chunk) -> _Result:
+        """The batch's work under its own seed where the global generators are this worker's alone."""
+        if not self.seeded:
+            return self._run(chunk)
+        with seeded(chunk.seed):
+            return self._run(chunk)
+
+    def _run(self, chunk: Chunk) -> _Result:
         """Stage by stage over the whole batch: two clock readings per stage, not per element."""
         seconds = [0.0] * (len(self.maps) + 2)
         elements: list[list[Any]] = []  # [address, value, index of the first map still to apply]
@@ -130,7 +140,9 @@ class PipelineLoader:
         lengths = source.lengths()
         if not sum(lengths):
             raise ValueError(f"the pipeline's source ({len(lengths)} shard(s)) holds no elements")
-        self.sharding = choose_sharding(shard_by, source.auto_shard, len(lengths), num_replicas)
+        self.sharding = choose_sharding(
+            shard_by, source.auto_shard, lengths, pipeline.ops, self.per_replica_batch, num_replicas
+        )
         plan_batch = self.global_batch if self.sharding == "sample" else self.per_replica_batch
         self.plan = EpochPlan(
             lengths, pipeline.ops, plan_batch, num_replicas, replica, self.sharding, pipeline.drop_remainder
@@ -139,7 +151,9 @@ class PipelineLoader:
         if pipeline.cache_after is not None and pipeline.method == "process" and self.workers:
             raise ValueError("cache() needs thread workers: process workers do not share a cache; use method='thread'")
         collate = (pipeline.collate_fn or default_collate) if self.batched else None
-        self._worker = _BatchWorker(source, pipeline.maps, pipeline.cache_after, collate)
+        # Thread workers share the process's generators: only processes (or no workers) seed per batch.
+        own_generators = pipeline.method == "process" or not self.workers
+        self._worker = _BatchWorker(source, pipeline.maps, pipeline.cache_after, collate, own_generators)
         self.stats = InputStats(
             stages=["read"] + [m.name for m in pipeline.maps] + ["collate"],
             workers=self.workers,
@@ -270,7 +284,7 @@ class PipelineLoader:
                 persistent_workers=True,
                 in_order=self.pipeline.deterministic,
                 worker_init_fn=_yield_to_training,
-                generator=own_generator(self.pipeline.ops.seed),
+                generator=own_generator(mix(self.pipeline.ops.seed, self.plan.replica)),
             )
         node: BaseNode = ParallelMapper(
             _ChunkNode(self._chunks),

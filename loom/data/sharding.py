@@ -1,26 +1,36 @@
 """Which samples each replica reads, so N replicas see exactly 1 replica's global batches.
 
-The global order of an epoch is fixed by the seed alone (a permutation of the dataset, or
-dataset order without shuffling). Global batch k is positions ``k*B .. (k+1)*B-1`` of that
+The global order of an epoch is fixed by the seed alone (a permutation of the dataset, dataset
+order without shuffling, or a user's sampler drawn with a seed shared by every replica). It is
+an int32/int64 tensor, 4 or 8 bytes a sample, not a Python list. Global batch k is positions ``k*B .. (k+1)*B-1`` of that
 order and replica r takes the r-th contiguous slice of it. Averaging the replicas' mean
 gradients then gives the mean gradient of the global batch, whatever the number of replicas.
+
+Order guarantee: replica r reads the r-th contiguous slice of every global batch, so with
+``shuffle=False`` replica r always reads positions ``k*B + r*b .. k*B + (r+1)*b - 1`` of the
+data at step k (b = B/N). Nothing links a replica's slices from one step to the next; for a
+stream whose state carries over between steps (truncated BPTT) lay the data out with
+``loom.data.stream_batches``, whose rows continue each other.
 
 Uneven last batch (``drop_last=False`` and ``len(data) % B != 0``): its m samples are split
 into slices of ``ceil(m / N)``, the last slices padded by repeating the batch's first samples,
 so every replica runs the same number of steps and no collective waits forever. The padded
-samples are reported by ``valid_count`` so evaluation can leave them out; training on them
-counts a few samples twice in the last step of the epoch (exact only when N divides m).
+samples are reported by ``valid_count`` so evaluation and training metrics can leave them out;
+training on them counts a few samples twice in the last step of the epoch (exact only when N
+divides m). That last batch is the only one with padding.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 import random
-from typing import Iterable, Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import torch
 from torch.utils.data import Sampler
+
+from loom.data.seeding import Batch, mix
 
 T = TypeVar("T")
 
@@ -44,12 +54,17 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return seed * 1_000_003 + epoch
 
 
-def epoch_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> list[int]:
+def index_dtype(num_samples: int) -> torch.dtype:
+    """int32 while it can hold every index: an epoch's order costs 4 bytes a sample, not a Python int's 36."""
+    return torch.int32 if num_samples < 2**31 else torch.int64
+
+
+def epoch_order(num_samples: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
     """The global sample order of one epoch: identical on every replica and world size."""
     if not shuffle:
-        return list(range(num_samples))
+        return torch.arange(num_samples, dtype=index_dtype(num_samples))
     generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
-    return torch.randperm(num_samples, generator=generator).tolist()
+    return torch.randperm(num_samples, generator=generator, dtype=index_dtype(num_samples))
 
 
 @dataclass(frozen=True)
@@ -76,10 +91,12 @@ class ShardPlan:
     def slice_size(self, batch: int) -> int:
         return math.ceil(self.batch_size_of(batch) / self.num_replicas)
 
-    def replica_slice(self, order: list[int], batch: int, replica: int) -> list[int]:
+    def replica_slice(self, order: torch.Tensor | Sequence[int], batch: int, replica: int) -> list[int]:
         """Dataset indices that ``replica`` reads for global batch ``batch``."""
         start = batch * self.global_batch
-        return self.slice_of_batch(order[start : start + self.batch_size_of(batch)], batch, replica)
+        members = order[start : start + self.batch_size_of(batch)]
+        members = members.tolist() if isinstance(members, torch.Tensor) else list(members)
+        return self.slice_of_batch(members, batch, replica)
 
     def slice_of_batch(self, members: list[T], batch: int, replica: int) -> list[T]:
         """``replica``'s part of global batch ``batch``, given that batch's members in order."""
@@ -96,13 +113,26 @@ class ShardPlan:
 
 
 class ReplicaBatchSampler(Sampler[list[int]]):
-    """A ``DataLoader`` batch sampler yielding one replica's slice of each global batch."""
+    """A ``DataLoader`` batch sampler yielding one replica's slice of each global batch.
 
-    def __init__(self, plan: ShardPlan, replica: int, shuffle: bool, seed: int) -> None:
+    ``order(epoch)`` gives the epoch's global order (default: ``epoch_order`` of the plan's
+    samples); it must be the same on every replica. Each batch is a ``loom.data.seeding.Batch``
+    that carries the seed its samples are read with.
+    """
+
+    def __init__(
+        self,
+        plan: ShardPlan,
+        replica: int,
+        shuffle: bool,
+        seed: int,
+        order: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         self.plan = plan
         self.replica = replica
         self.shuffle = shuffle
         self.seed = seed
+        self.order = order or (lambda epoch: epoch_order(plan.num_samples, shuffle, seed, epoch))
         self.epoch = 0
         self.start = 0
 
@@ -114,9 +144,10 @@ class ReplicaBatchSampler(Sampler[list[int]]):
         return len(self.plan)
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = epoch_order(self.plan.num_samples, self.shuffle, self.seed, self.epoch)
+        order = self.order(self.epoch)
         for batch in range(self.start, len(self.plan)):
-            yield self.plan.replica_slice(order, batch, self.replica)
+            indices = self.plan.replica_slice(order, batch, self.replica)
+            yield Batch(indices, mix(self.seed, self.replica, self.epoch, batch))
 
 
 def buffer_shuffle(stream: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:

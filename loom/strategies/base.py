@@ -208,20 +208,29 @@ class Strategy(ABC):
         self,
         data: Dataset | DataLoader | Pipeline | Iterable[Any],
         batch_size: int | None = None,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int = 0,
-        drop_last: bool = False,
+        drop_last: bool | None = None,
         num_workers: int | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
         shard_by: str = "auto",
     ) -> DistributedLoader | PipelineLoader:
         """This replica's share of ``data`` in global batches of ``batch_size``.
 
-        A ``loom.data.Pipeline`` keeps its own order, workers and batching (``batch_size``
-        defaults to its ``batch()``) and is split over replicas by file or by sample
-        (``shard_by``, see ``loom.data.plan``); ``shuffle``, ``seed``, ``drop_last``,
-        ``num_workers`` and ``collate_fn`` apply to the other kinds of data. See
-        ``loom.data.sharding`` for the order guarantees and the uneven-last-batch policy.
+        Order: replica r gets the r-th contiguous slice of every global batch, and N replicas'
+        slices together are exactly 1 replica's global batch. A replica's slices of successive
+        batches are not successive samples (shuffled by default, ``shuffle=None`` meaning True);
+        for a model that carries state from one step to the next, pass
+        ``loom.data.stream_batches(tokens, batch_size, seq_len)``, whose row i continues from
+        batch to batch on the same replica. The uneven last batch is padded to equal slices;
+        ``valid_count(k)`` of the returned loader says how many of batch k's samples are real.
+
+        A ``DataLoader`` keeps its sampler (sharded over replicas), shuffle, drop_last, workers
+        and collate_fn; its ``batch_size`` is the global batch; ``shuffle``/``drop_last`` given
+        here must agree with it. A ``loom.data.Pipeline`` keeps its own order, workers and
+        batching (``batch_size`` defaults to its ``batch()``) and is split over replicas by file
+        or by sample (``shard_by``, see ``loom.data.plan``). See ``loom.data.sharding`` for the
+        details.
         """
         if isinstance(data, Pipeline):
             return data.loader(self.num_replicas_in_sync, self.replica_id, self.device, batch_size, shard_by)

@@ -276,3 +276,58 @@ def test_missing_listed_file_is_named_or_skipped(tmp_path):
     with pytest.warns(UserWarning, match=r"skipped 1 unreadable file\(s\).*gone\.npy"):
         values = [int(x) for x in ld.numpy_files(files, errors="skip")]
     assert values == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("lengths", [[1000, 10], [500, 500, 10], [9, 1, 1, 1], [100, 60, 40], [30, 30, 30, 30]])
+def test_auto_sharding_pads_nothing_but_one_uneven_last_batch(lengths):
+    # by file, files of 1,000 and 10 rows on 2 replicas had one replica train on its 10 rows 100 times
+    loaders = [ld.from_source(Shards(lengths)).shuffle(seed=0).batch(8).loader(2, r) for r in range(2)]
+    for loader in loaders:
+        epoch = _epoch(loader)
+        assert all(len(batch) == 4 for batch in epoch[:-1]), f"{loader.sharding}: padding before the last batch"
+    assert sorted(v for l in loaders for b in _epoch(l) for v in b) == list(range(sum(lengths)))
+    assert loaders[0].sharding == ("file" if lengths in ([100, 60, 40], [30, 30, 30, 30]) else "sample")
+
+
+def test_by_file_refuses_shares_that_would_train_on_padding():
+    with pytest.raises(ValueError, match=r"shard_by='file' deals the 2 files unevenly: the replicas get 10 to 1000 elements a pass, "
+                       r"so replica 1 would train on padding in 123 of its 125 steps; use shard_by='sample'"):
+        ld.from_source(Shards([1000, 10])).batch(16).loader(2, 0, shard_by="file")
+
+
+def test_files_of_equal_size_move_between_replicas_across_epochs():
+    loader = ld.from_source(Shards([5] * 8)).shuffle(seed=2).batch(10).loader(2, 0, shard_by="file")
+    files = [{v // 5 for b in _epoch(loader) for v in b} for _ in range(3)]
+    assert all(len(f) == 4 for f in files) and len({frozenset(f) for f in files}) > 1
+
+
+def test_a_shuffled_plan_holds_no_python_object_per_element():
+    import tracemalloc
+
+    from loom.data.plan import EpochPlan, IndexOps
+
+    plan = EpochPlan([1_500_000, 500_000], IndexOps(shuffle=True, seed=1), 256, 2, 0, "sample")
+    tracemalloc.start()
+    first = next(iter(plan.batches(0)))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(first.keys) == 128
+    assert peak < 8 * 2**20, f"{peak / 2**20:.0f} MiB of Python objects for 2,000,000 addresses (was 277 MiB)"
+
+
+def _jitter(x):
+    return torch.stack([x.double(), torch.rand((), dtype=torch.float64), torch.tensor(np.random.rand())])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_random_maps_draw_per_replica_epoch_and_batch_reproducibly(workers):
+    def draws(replica, epoch=0, start=0):
+        pipeline = ld.from_tensors(torch.arange(16)).shuffle(seed=5).map(_jitter, num_parallel=workers or None, method="process")
+        loader = pipeline.batch(4).loader(2, replica)
+        loader.load_state_dict({**loader.state_dict(), "epoch": epoch, "batch": start})
+        return torch.cat(list(loader))
+
+    r0, r1 = draws(0), draws(1)
+    assert len(set(r0[:, 1].tolist() + r1[:, 1].tolist())) == 16 and len(set(r0[:, 2].tolist() + r1[:, 2].tolist())) == 16
+    assert torch.equal(draws(1, epoch=1, start=3), draws(1, epoch=1)[6:])  # a resumed epoch draws as an uninterrupted one
+    assert not torch.equal(draws(0, epoch=1)[:, 1:], r0[:, 1:])
