@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, Union
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from loom.data import DistributedLoader
 from loom.strategies import Strategy, auto_strategy
@@ -50,6 +51,11 @@ class _Totals:
         return {prefix + name: float(value) / max(count, 1) for name, value in zip(self.names, total[:-1])}, count
 
 
+def _in_order(data: Any) -> bool | None:
+    """Evaluation reads a data set in order; a DataLoader keeps the sampler its author chose."""
+    return None if isinstance(data, DataLoader) else False
+
+
 @torch.no_grad()
 def _evaluate_loader(model: nn.Module, loss_fn: LossFn, loader: DistributedLoader, metrics: dict[str, Metric]) -> _Totals:
     was_training = model.training
@@ -81,7 +87,7 @@ def evaluate(
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
     model = model.to(strategy.device)
-    loader = strategy.distribute(data, batch_size, shuffle=False)
+    loader = strategy.distribute(data, batch_size, shuffle=_in_order(data))
     return _evaluate_loader(model, loss_fn, loader, metrics_).reduce(strategy)[0]
 
 
@@ -99,7 +105,7 @@ def fit(
     callbacks: Iterable[Callback] = (),
     log_dir: str | None = None,
     progress: bool = True,
-    shuffle: bool = True,
+    shuffle: bool | None = None,
     seed: int = 0,
     num_workers: int | None = None,
     checkpoint_dir: str | None = None,
@@ -131,7 +137,7 @@ def fit(
         scheduler = scheduler(opt)
     step = strategy.train_step(prepared, loss_fn, opt, scheduler=scheduler, max_grad_norm=max_grad_norm, accumulate=accumulate)
     train = strategy.distribute(train_data, batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
-    val = strategy.distribute(val_data, train.global_batch, shuffle=False) if val_data is not None else None
+    val = strategy.distribute(val_data, train.global_batch, shuffle=_in_order(val_data)) if val_data is not None else None
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
     state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train)
     backup = None

@@ -114,3 +114,31 @@ def test_print_is_the_chiefs(capsys, monkeypatch):
     monkeypatch.setattr(loom.OneDeviceStrategy, "replica_id", property(lambda self: 1))
     strategy.print("not me")
     assert capsys.readouterr().out == "hello 1\n"
+
+
+def _fp16_run(strategy, model, opt, steps, start=0):
+    step = strategy.train_step(model, F.mse_loss, opt)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g) * (1e3 if k == 1 else 1), torch.randn(8, 1, generator=g)) for k in range(6)]
+    for x, y in batches[start : start + steps]:  # batch 1's gradients overflow fp16: the scale halves
+        step(x, y)
+
+
+def test_a_resumed_fp16_run_equals_an_uninterrupted_one(tmp_path):
+    """The gradient scaler's state is saved with the optimizer (its scale went 32768 -> 65536 on restore)."""
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    net = _linear(0)
+    model, opt = strategy.prepare(net, lambda p: torch.optim.Adam(p, lr=1e-2))
+    _fp16_run(strategy, model, opt, 3)
+    strategy.save(tmp_path, step=3, model=model, optimizer=opt)
+    scale = opt.scaler.get_scale()
+    assert scale < 65536.0
+    _fp16_run(strategy, model, opt, 3, start=3)
+
+    resumed = loom.OneDeviceStrategy(precision="16-mixed")
+    again = _linear(7)
+    model2, opt2 = resumed.prepare(again, lambda p: torch.optim.Adam(p, lr=1e-2))
+    resumed.restore(tmp_path, model=model2, optimizer=opt2)
+    assert opt2.scaler.get_scale() == scale
+    _fp16_run(resumed, model2, opt2, 3, start=3)
+    assert torch.equal(again.weight, net.weight) and opt2.scaler.get_scale() == opt.scaler.get_scale()
