@@ -70,8 +70,7 @@ class RendezvousWatch:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self._done.set()
-        self._thread.join(timeout=self.interval + 10)
+        self._done.set()  # not joined: a probe in flight may take seconds, and the thread checks _done before it speaks
         if self._reported and exc[0] is None:
             _say(f"loom: node {self.node.node_rank}: all {self.node.nnodes} nodes joined after {time.monotonic() - self._started:.0f}s")
 
@@ -101,6 +100,8 @@ class RendezvousWatch:
             missing = self._check_in()
             if self._done.is_set():
                 return
+            if missing == []:
+                continue  # every node is here; torch is still handing out ranks
             where = f"{self.node.master_addr}:{self.node.master_port}"
             if missing is None:
                 names, why = self._name(0), f", whose rendezvous at {where} is not reachable yet"
