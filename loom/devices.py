@@ -32,6 +32,13 @@ def default_nproc() -> int:
     return cuda_count() or max(1, min(available_cores(), 8))
 
 
+def default_nproc_reason() -> str:
+    """Why ``default_nproc()`` is what it is, in the words of the launcher's first line."""
+    if cuda_count():
+        return "one per GPU"
+    return "one per core" if available_cores() <= 8 else "one per core, at most 8"
+
+
 def check_nproc(nproc: int) -> None:
     """Refuse more processes than GPUs, where two processes would share one device."""
     gpus = cuda_count()

@@ -114,6 +114,7 @@ def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
     rows += [
         ("processes per node", str(nproc)),
         ("world size", str(nproc * node.nnodes)),
+        ("replicas", opts.replicas()),
         ("devices", f"{gpus} CUDA GPU(s)" if gpus else f"CPU, {available_cores()} core(s)"),
         ("threads per process", str(opts.threads_per_process())),
         ("backend", default_backend(device)),

@@ -10,18 +10,22 @@ import errno
 import fcntl
 import logging
 import os
+import signal
 import socket
 import struct
 import sys
 from dataclasses import dataclass, field
 
 from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from loom.cluster import NodeSpec, resolve_node
 from loom.comm.process_group import TIMEOUT_ENV
-from loom.devices import THREADS_ENV, check_nproc, default_nproc, thread_budget
-from loom.errors import LaunchError, RankFailureError
+from loom.devices import THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
+from loom.errors import LaunchError
+from loom.launch.agent import reporting_agent, wait_report_interval
+from loom.launch.failures import report
 
 WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 
@@ -35,7 +39,7 @@ SHUTDOWN_GRACE = 10
 class LaunchOptions:
     """How to start a job; each field's help is the CLI's."""
 
-    nproc: int | None = field(default=None, metadata={"help": "processes (replicas) on this node; default: one per GPU, else one per core (at most 8)"})
+    nproc: int | None = field(default=None, metadata={"help": "processes (replicas) on this node; default: one per GPU, else one per core (at most 8), one per worker under TF_CONFIG"})
     nnodes: int | None = field(default=None, metadata={"help": "number of nodes (machines) in the job"})
     node_rank: int | None = field(default=None, metadata={"help": "this node's rank, 0 .. nnodes-1; node 0 hosts the rendezvous"})
     master: str | None = field(default=None, metadata={"help": "HOST:PORT of node 0's rendezvous, the same on every node"})
@@ -47,11 +51,29 @@ class LaunchOptions:
         return resolve_node(self.nnodes, self.node_rank, self.master)
 
     def processes(self) -> int:
-        """Processes on this node: the flag, else the machine's default."""
-        return self.nproc or default_nproc()
+        """Processes on this node: the flag, else the default for the machine and the cluster."""
+        return self._processes()[0]
+
+    def _processes(self) -> tuple[int, str]:
+        if self.nproc:
+            return self.nproc, f"--nproc {self.nproc}"
+        if self.node().source == "TF_CONFIG" and not cuda_count():
+            # A TF worker is one replica on CPU; TF users size their batches for that.
+            return 1, "TF_CONFIG: one process per worker on CPU; --nproc N to change"
+        return default_nproc(), f"{default_nproc_reason()}; --nproc N to change"
+
+    def replicas(self) -> str:
+        """How many replicas the job will have, and why: the launcher's first line."""
+        nnodes = self.node().nnodes
+        nproc, why = self._processes()
+        return f"{_count(nnodes * nproc, 'replica')} = {_count(nnodes, 'node')} x {_count(nproc, 'process', 'es')} ({why})"
 
     def threads_per_process(self) -> int:
         return self.threads or thread_budget(self.processes())
+
+
+def _count(n: int, noun: str, suffix: str = "s") -> str:
+    return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
 def _is_local(host: str) -> bool:
@@ -136,33 +158,25 @@ def interface_towards(address: str) -> str | None:
     return None
 
 
-def describe_failure(error: ChildFailedError) -> str:
-    """One line naming the rank that failed first and what happened to it.
-
-    Ranks that exited because another one failed (``RankFailureError.EXIT_CODE``) are not the
-    cause, even when they exited first (a stuck rank is the last to go).
-    """
-    causes = {r: f for r, f in error.failures.items() if f.exitcode != RankFailureError.EXIT_CODE}
-    rank, first = min((causes or error.failures).items(), key=lambda item: item[1].timestamp)
-    host = socket.gethostname()
-    if first.exitcode < 0:
-        what = f"was killed by {first.signal_name()}"
-    else:
-        what = f"exited with code {first.exitcode}"
-    others = sorted(r for r in error.failures if r != rank)
-    tail = f"; rank(s) {', '.join(map(str, others))} stopped because of it" if others else ""
-    return f"loom: job failed: rank {rank} on {host} (pid {first.pid}) {what}{tail}"
-
-
 def run_job(entry: list[str], opts: LaunchOptions) -> int:
     """Run this node's workers to completion; returns the exit code for the launching process."""
     argv = torchrun_argv(opts, entry)
+    wait_report = wait_report_interval()
     os.environ.update(worker_environment(opts))
-    # torchrun's own logging repeats what describe_failure says in one line.
+    node = opts.node()
+    world_size = node.nnodes * opts.processes()
+    if node.node_rank == 0:
+        print(f"loom: {opts.replicas()}", file=sys.stderr, flush=True)
+    # torchrun's own logging repeats what loom.launch.failures says in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        torchrun.run(torchrun.parse_args(argv))
+        with reporting_agent(node, world_size, wait_report):
+            torchrun.run(torchrun.parse_args(argv))
     except ChildFailedError as error:
-        print(describe_failure(error), file=sys.stderr, flush=True)
+        print(report(error.failures, world_size, "job failed"), file=sys.stderr, flush=True)
         return 1
+    except SignalException as stop:  # the agent has stopped the workers (SIGTERM, then SIGKILL)
+        name = signal.Signals(stop.sigval).name
+        print(f"loom: stopped by {name}; workers terminated", file=sys.stderr, flush=True)
+        return 128 + stop.sigval
     return 0

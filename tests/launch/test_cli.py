@@ -1,6 +1,7 @@
 import json
 import re
 
+from loom.launch import torchrun
 from loom.launch.cli import main
 from loom.launch.torchrun import LaunchOptions, torchrun_argv, worker_environment
 
@@ -14,6 +15,17 @@ def test_env_shows_what_a_launch_resolves(capsys, monkeypatch):
     assert rows["nodes"] == "2" and rows["this node's rank"] == "1"
     assert rows["master"] == "10.1.0.1:2300" and rows["hosts"] == "10.1.0.1, 10.1.0.2"
     assert rows["world size"] == "6" and rows["threads per process"] == "5"
+
+
+def test_tf_config_on_cpu_runs_one_process_per_worker_and_says_why(capsys, monkeypatch):
+    config = {"cluster": {"worker": ["10.1.0.1:2300", "10.1.0.2:2300"]}, "task": {"type": "worker", "index": 0}}
+    monkeypatch.setenv("TF_CONFIG", json.dumps(config))
+    monkeypatch.setattr(torchrun, "cuda_count", lambda: 0)
+    assert main(["env"]) == 0
+    rows = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in capsys.readouterr().out.splitlines())
+    assert rows["processes per node"] == "1" and rows["world size"] == "2"
+    assert rows["replicas"] == "2 replicas = 2 nodes x 1 process (TF_CONFIG: one process per worker on CPU; --nproc N to change)"
+    assert LaunchOptions(nproc=3).replicas() == "6 replicas = 2 nodes x 3 processes (--nproc 3)"
 
 
 def test_env_shows_a_parameter_server_task(capsys, monkeypatch):

@@ -113,3 +113,58 @@ def test_user_error_on_one_rank_is_reported_by_the_others(tmp_path):
     assert done.returncode != 0
     assert "ValueError: bad shape in rank one" in done.stderr
     assert "loom: job failed: rank 1 on" in done.stderr
+
+
+def test_ranks_failing_alike_print_the_traceback_once(tmp_path):
+    script = tmp_path / "all_fail.py"
+    script.write_text(
+        "import signal, loom\n"
+        "def main():\n"
+        "    s = loom.MirroredStrategy()\n"
+        "    s.barrier()\n"
+        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # every rank gets to fail, whenever the agent looks\n"
+        "    s.barrier()\n"
+        "    None + 1\n"
+        "loom.launch(main)\n"
+    )
+    done = loom_run(["run", "--nproc", "3", "--timeout", "20", str(script)], timeout=90)
+    assert done.returncode == 1
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    assert done.stderr.count("TypeError: unsupported operand") == 2, done.stderr  # the traceback's, the summary's
+    assert done.stderr.splitlines()[-1] == "loom: job failed: all 3 ranks failed: TypeError: unsupported operand type(s) for +: 'NoneType' and 'int'"
+
+
+def test_each_restart_is_announced_with_its_cause(tmp_path):
+    script = tmp_path / "fails_once.py"
+    script.write_text(
+        "import os, time\n"
+        "if os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('the first attempt fails')\n"
+        "    time.sleep(60)  # until the agent stops it\n"
+    )
+    done = loom_run(["run", "--nproc", "2", "--max-restarts", "2", str(script)], timeout=90)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("Traceback (most recent call last)") == 1, done.stderr
+    notice = [line for line in done.stderr.splitlines() if line.startswith("loom: restart")]
+    assert len(notice) == 1 and notice[0].startswith(f"loom: restart 1 of 2: rank 1 on {socket.gethostname()} (pid "), done.stderr
+    assert notice[0].endswith(") failed: ValueError: the first attempt fails; rank(s) 0 stopped because of it")
+
+
+def test_sigterm_to_the_launcher_is_one_line(tmp_path):
+    script = tmp_path / "waits.py"
+    script.write_text(f"import os, pathlib, time\npathlib.Path({str(tmp_path / 'pid')!r}).write_text(str(os.getpid()))\ntime.sleep(60)\n")
+    job = subprocess.Popen([*LOOM, "run", "--nproc", "1", str(script)], cwd=ROOT, env=job_env(), stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():
+            assert job.poll() is None and time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGTERM)
+        _, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == "loom: stopped by SIGTERM; workers terminated"
+    assert job.returncode == 128 + signal.SIGTERM
+    assert not Path(f"/proc/{int((tmp_path / 'pid').read_text())}").exists()

@@ -1,0 +1,84 @@
+"""What the launcher says when workers fail: each distinct traceback once, then one line.
+
+Workers started by ``loom run`` hand their exception to torchrun's agent through its error
+file (``loom.launch.worker``) instead of printing it, so that four ranks failing the same way
+print one traceback, not four. Ranks that exited because another one failed
+(``RankFailureError.EXIT_CODE``, or the agent's SIGTERM) are not causes, even when they
+exited first (a stuck rank is the last to go).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Mapping
+
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+from loom.errors import RankFailureError
+
+# How a rank ends when the agent stops it because another one failed.
+_STOPPED = {RankFailureError.EXIT_CODE, -signal.SIGTERM, 128 + signal.SIGTERM}
+
+
+def exception_of(failure: ProcessFailure) -> tuple[str, str] | None:
+    """(exception line, traceback) a worker recorded in its error file; None if it left none."""
+    data = failure.error_file_data.get("message")
+    if not isinstance(data, dict) or not data.get("message"):
+        return None
+    return data["message"], data.get("extraInfo", {}).get("py_callstack", "")
+
+
+def _what(failure: ProcessFailure, plural: bool) -> str:
+    exception = exception_of(failure)
+    if exception is not None:
+        return f"failed: {exception[0]}"
+    if failure.exitcode < 0:
+        return f"{'were' if plural else 'was'} killed by {failure.signal_name()}"
+    return f"exited with code {failure.exitcode}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def tracebacks(failures: Mapping[int, ProcessFailure]) -> list[str]:
+    """Each distinct exception's traceback once, in the order the ranks failed."""
+    seen: dict[str, str] = {}
+    for _, failure in sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0])):
+        exception = exception_of(failure)
+        if exception is not None and exception[1]:
+            seen.setdefault(exception[0], exception[1])
+    return list(seen.values())
+
+
+def cause(failures: Mapping[int, ProcessFailure], world_size: int) -> str:
+    """Which ranks failed and how, as one sentence; ranks failing the same way share a clause.
+
+    ``all 4 ranks failed: TypeError: ...`` when every rank of the job failed alike;
+    otherwise each way of failing is named with its ranks, and the ranks that stopped
+    because of them are listed last.
+    """
+    causes = {r: f for r, f in failures.items() if exception_of(f) is not None or f.exitcode not in _STOPPED}
+    causes = causes or dict(failures)
+    groups: dict[str, list[int]] = {}
+    for rank, failure in sorted(causes.items(), key=lambda item: (item[1].timestamp, item[0])):
+        groups.setdefault(_what(failure, plural=False), []).append(rank)
+    host = socket.gethostname()
+    clauses = []
+    for what, ranks in groups.items():
+        if len(ranks) == 1:
+            clauses.append(f"rank {ranks[0]} on {host} (pid {causes[ranks[0]].pid}) {what}")
+        elif len(ranks) == world_size:
+            clauses.append(f"all {world_size} ranks {_what(causes[ranks[0]], plural=True)}")
+        else:
+            clauses.append(f"ranks {_ranks(ranks)} on {host} {_what(causes[ranks[0]], plural=True)}")
+    stopped = sorted(set(failures) - set(causes))
+    if stopped:
+        clauses.append(f"rank(s) {_ranks(stopped)} stopped because of {'it' if len(groups) == 1 else 'them'}")
+    return "; ".join(clauses)
+
+
+def report(failures: Mapping[int, ProcessFailure], world_size: int, headline: str) -> str:
+    """The tracebacks, then ``loom: HEADLINE: cause``."""
+    return "".join(tracebacks(failures)) + f"loom: {headline}: {cause(failures, world_size)}"
