@@ -9,12 +9,13 @@ there), flushes every open file, and leaves with ``os._exit``, skipping only tha
 
 from __future__ import annotations
 
-import atexit
 import gc
 import io
 import os
 import sys
 from typing import Any, Callable, NoReturn
+
+from loom.compat import run_exit_handlers
 
 
 def _flush_open_files() -> None:
@@ -29,7 +30,7 @@ def _flush_open_files() -> None:
 
 
 def _exit(code: int) -> NoReturn:
-    atexit._run_exitfuncs()  # CPython's own teardown step, run here so os._exit loses nothing
+    run_exit_handlers()  # CPython's own teardown step, run here so os._exit loses nothing
     _flush_open_files()
     os._exit(code)
 

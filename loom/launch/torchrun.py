@@ -15,10 +15,10 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from loom.cluster import NodeSpec, resolve_node
+from loom.compat import run_torchrun
 from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import THREADS_ENV, check_nproc, default_nproc, thread_budget
 from loom.errors import LaunchError, RankFailureError
@@ -161,7 +161,7 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
     # torchrun's own logging repeats what describe_failure says in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        torchrun.run(torchrun.parse_args(argv))
+        run_torchrun(argv)
     except ChildFailedError as error:
         print(describe_failure(error), file=sys.stderr, flush=True)
         return 1

@@ -1,0 +1,54 @@
+"""Every private name of PyTorch (and CPython) that loom relies on, in one place.
+
+Each stands in for something the public API lacks. ``tests/test_compat.py`` checks every one
+against the installed versions, so an upgrade that renames or reshapes one fails there, by
+name, rather than deep inside a job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch is imported where it is used: a worker imports this module before torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemReader
+
+# What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
+# Four of these names are private to torch; an index written by another torch may use others.
+DCP_INDEX_CLASSES: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a name-to-layout lookup
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+def dcp_index_path(reader: FileSystemReader, rank: int | None = None) -> os.PathLike:
+    """The file DCP's reader reads its index from (``.metadata``)."""
+    return reader._get_metadata_path(rank)
+
+
+def default_store() -> dist.Store:
+    """The key-value store the default process group was made with (torch has no public getter)."""
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_store()
+
+
+def run_exit_handlers() -> None:
+    """Run and clear the atexit handlers now, as the interpreter does at exit."""
+    atexit._run_exitfuncs()
+
+
+def run_torchrun(argv: list[str]) -> Any:
+    """torchrun's own command line, run in this process (``torch.distributed.run``'s ``main`` exits)."""
+    from torch.distributed import run as torchrun
+
+    return torchrun.run(torchrun.parse_args(argv))
