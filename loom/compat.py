@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import atexit
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # torch is imported where it is used: a worker imports this module before torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint import FileSystemReader
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 # What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
 # Four of these names are private to torch; an index written by another torch may use others.
@@ -37,9 +36,7 @@ def dcp_index_path(reader: FileSystemReader, rank: int | None = None) -> os.Path
 
 def default_store() -> dist.Store:
     """The key-value store the default process group was made with (torch has no public getter)."""
-    from torch.distributed import distributed_c10d
-
-    return distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()
 
 
 def run_exit_handlers() -> None:
@@ -49,6 +46,6 @@ def run_exit_handlers() -> None:
 
 def run_torchrun(argv: list[str]) -> Any:
     """torchrun's own command line, run in this process (``torch.distributed.run``'s ``main`` exits)."""
-    from torch.distributed import run as torchrun
+    from torch.distributed import run as torchrun  # torch's elastic agent: imported by launchers only
 
     return torchrun.run(torchrun.parse_args(argv))
