@@ -11,11 +11,14 @@ import atexit
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 # What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
-# Four of these names are private to torch; an index written by another torch may use others.
+# Three of these names are private to torch; an index written by another torch may use others.
 DCP_INDEX_CLASSES: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -32,6 +35,25 @@ DCP_INDEX_CLASSES: dict[str, set[str]] = {
 def dcp_index_path(reader: FileSystemReader, rank: int | None = None) -> os.PathLike:
     """The file DCP's reader reads its index from (``.metadata``)."""
     return reader._get_metadata_path(rank)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's ``get_optimizer_state_dict``, leaving an optimizer without state as it was.
+
+    For an optimizer with no state yet (before its first step), DCP's private
+    ``_init_optim_state`` creates one by a step at learning rate 0: Adam's step count becomes
+    1 and every later update differs. It skips that step when a parameter has a gradient, so
+    one is lent a zero gradient meanwhile; there is no state to save then, only hyper-parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lent = next((p for p in params if p.requires_grad), None)  # none: DCP's step would change nothing
+    if optimizer.state or lent is None or any(p.grad is not None for p in params):
+        return get_optimizer_state_dict(model, optimizer)
+    lent.grad = torch.zeros_like(lent)
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        lent.grad = None
 
 
 def default_store() -> dist.Store:
