@@ -23,7 +23,7 @@ from loom.errors import CheckpointError
 WAIT_ENV = "LOOM_SAVE_TIMEOUT"
 DEFAULT_WAIT = 10.0
 POLL = 0.05
-_LOOM = str(Path(__file__).resolve().parents[1])
+_LOOM = str(Path(__file__).resolve().parents[1]) + os.sep
 _calls: dict[str, int] = {}  # this process's saves and restores so far: the same count on every rank
 
 

@@ -201,15 +201,11 @@ class Checkpointer:
             "strategy": meta["strategy"],
             "world_size": meta["world_size"],
         }
-        if strict:
-            return restored
-        if (missing or unexpected) and self.rank == 0:
-            warnings.warn(
-                f"loom: restored part of {path}: {len(missing)} tensor(s) not in the checkpoint kept their values "
-                f"({_some(missing)}), {len(unexpected)} of its tensor(s) were not used ({_some(unexpected)})",
-                stacklevel=4,
-            )
-        return {**restored, "missing_keys": missing, "unexpected_keys": unexpected}
+        if not strict:
+            restored.update(missing_keys=missing, unexpected_keys=unexpected)
+            if (missing or unexpected) and self.rank == 0:
+                warnings.warn(_partial(path, missing, unexpected), stacklevel=4)
+        return restored
 
     def _checkpoint_group(self) -> Any:
         """A gloo group of its own, so a background write never interleaves with training's collectives."""
@@ -284,5 +280,13 @@ def check_match(wanted: dict[str, Any], saved: dict[str, Any], path: Path, stric
     return missing, unexpected
 
 
-def _some(keys: list[str]) -> str:
-    return ", ".join(keys[:5]) + (f", and {len(keys) - 5} more" if len(keys) > 5 else "") if keys else "none"
+def _partial(path: Path, missing: list[str], unexpected: list[str]) -> str:
+    """What a restore with ``strict=False`` skipped, in one line."""
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (f", and {len(keys) - 5} more" if len(keys) > 5 else "") if keys else "none"
+
+    return (
+        f"loom: restored part of {path}: {len(missing)} tensor(s) not in the checkpoint kept their values "
+        f"({some(missing)}), {len(unexpected)} of its tensor(s) were not used ({some(unexpected)})"
+    )
