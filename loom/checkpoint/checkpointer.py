@@ -2,11 +2,11 @@
 
 Every rank calls ``save``/``restore`` at the same point (``arrival`` names one that does
 not, within seconds). Tensors go through DCP: replicated tensors are written once, spread
-over the ranks, and a checkpoint loads on any number of replicas. Rank 0 commits: only once every rank's files are written does the checkpoint get
-its marker and its final name (``loom.checkpoint.layout``). ``async_save`` copies the state
-to memory and writes it from a background thread over a process group of its own, so
-training goes on meanwhile; the commit follows when the write completes, and at the latest
-when the process exits.
+over the ranks, and a checkpoint loads on any number of replicas. Rank 0 commits: only
+once every rank's files are written does the checkpoint get its marker and its final name
+(``loom.checkpoint.layout``). ``async_save`` copies the state to memory and writes it from a
+background thread over a process group of its own, so training goes on meanwhile; the
+commit follows when the write completes, and at the latest when the process exits.
 """
 
 from __future__ import annotations
