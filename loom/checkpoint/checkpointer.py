@@ -1,33 +1,40 @@
 """Save and restore a job's state on ``torch.distributed.checkpoint``, committed atomically.
 
-Every rank calls ``save``/``restore`` at the same point. Tensors go through DCP: replicated
-tensors are written once, spread over the ranks, and a checkpoint loads on any number of
-replicas. Rank 0 commits: only once every rank's files are written does the checkpoint get
-its marker and its final name (``loom.checkpoint.layout``). ``async_save`` copies the state
-to memory and writes it from a background thread over a process group of its own, so
-training goes on meanwhile; the commit follows when the write completes.
+Every rank calls ``save``/``restore`` at the same point (``arrival`` names one that does
+not, within seconds). Tensors go through DCP: replicated tensors are written once, spread
+over the ranks, and a checkpoint loads on any number of replicas. Rank 0 commits: only
+once every rank's files are written does the checkpoint get its marker and its final name
+(``loom.checkpoint.layout``). ``async_save`` copies the state to memory and writes it from a
+background thread over a process group of its own, so training goes on meanwhile; the
+commit follows when the write completes, and at the latest when the process exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import threading
 import time
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
+from weakref import WeakSet
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from loom import comm
 from loom.checkpoint import layout
+from loom.checkpoint.arrival import meet
 from loom.checkpoint.safe_reader import SafeFileSystemReader, quiet, read_index
-from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state
+from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state, without
+from loom.comm.health import HealthMonitor
 from loom.errors import CheckpointError, CheckpointMismatchError
 
-FORMAT = 1
+FORMAT = 1  # of loom.json and the layout; a checkpoint of another format is refused
 SYNC_WRITE_THREADS = 4  # measured on 500 MB: 1 thread 0.70 s, 2 0.33 s, 4 0.26 s; torch.save 0.43 s
 
 
@@ -49,19 +56,30 @@ class Checkpointer:
 
     # ---- saving ------------------------------------------------------------------------------
     def save(
-        self, root: str | Path, step: int, state: dict[str, Any], keep: int = 3, async_save: bool = False, durable: bool = True
+        self,
+        root: str | Path,
+        step: int | None,
+        state: dict[str, Any],
+        keep: int = 3,
+        async_save: bool = False,
+        durable: bool = True,
+        peers: HealthMonitor | None = None,
     ) -> Path:
         """Write ``state`` as ``root/step-<step>``; returns that path (committed later if async).
 
-        ``durable``: fsync every file before the commit (survives a power loss, not just a kill).
+        ``step`` None: the one after the newest checkpoint under ``root``. ``durable``: fsync
+        every file before the commit (survives a power loss, not just a kill). ``peers``: the
+        job's health monitor, to tell a rank that died from one that did not call save.
         """
         self.wait()
+        meet("save", peers)
+        step = self._agree_on_step(root, step)
         tensors, plain, kinds = collect(state)
         temp, final = layout.temp_dir(root, step), layout.step_dir(root, step)
         if self.rank == 0:
             layout.clear_temp(temp)
         comm.barrier()
-        layout.write_json(temp / f"rank-{self.rank:05d}.json", {"rng": rng_state()})
+        layout.write_json(temp / f"rank-{self.rank:05d}.json", {"rng": rng_state()}, durable)
         if self.rank == 0:
             meta = {
                 "format": FORMAT,
@@ -72,7 +90,7 @@ class Checkpointer:
                 "kinds": kinds,
                 "plain": plain,
             }  # the tensors' keys, shapes and dtypes are in DCP's index
-            layout.write_json(temp / "loom.json", meta)
+            layout.write_json(temp / "loom.json", meta, durable)
         group, no_dist = self._checkpoint_group(), not dist.is_initialized()
         if async_save:  # one gentle thread in the background, committing when it is done
             writer = _BackgroundWriter(temp, sync_files=durable)
@@ -80,6 +98,10 @@ class Checkpointer:
                 written = dcp.async_save(tensors, storage_writer=writer, process_group=group, no_dist=no_dist)
             self._pending = committed = Future()
             written.add_done_callback(lambda done: self._commit_after(done, committed, temp, final, root, keep))
+            _at_exit.add(self)
+            # Registered (again) now, after the process group's exit handler, so that it runs first.
+            atexit.unregister(_finish_pending_saves)
+            atexit.register(_finish_pending_saves)
             return final
         # DCP streams each tensor through a Python file object: one thread writes at half of torch.save's speed
         writer = dcp.FileSystemWriter(temp, sync_files=durable, thread_count=SYNC_WRITE_THREADS)
@@ -89,6 +111,14 @@ class Checkpointer:
             self._commit(temp, final, root, keep)
         comm.barrier()
         return final
+
+    def _agree_on_step(self, root: str | Path, step: int | None) -> int:
+        """``step``, or the one after the newest checkpoint as rank 0 sees it, on every rank."""
+        if step is not None:
+            return step
+        chosen = torch.tensor([layout.next_step(root) if self.rank == 0 else 0])
+        comm.broadcast(chosen, 0, group=self._checkpoint_group())
+        return int(chosen)
 
     def wait(self) -> None:
         """Block until an asynchronous save is written and committed; raise what it failed with."""
@@ -114,31 +144,42 @@ class Checkpointer:
         layout.prune(root, keep)
 
     # ---- restoring ---------------------------------------------------------------------------
-    def restore(self, path: str | Path, state: dict[str, Any], fallback: bool = False) -> dict[str, Any] | None:
+    def restore(
+        self, path: str | Path, state: dict[str, Any], fallback: bool = False, strict: bool = True, peers: HealthMonitor | None = None
+    ) -> dict[str, Any] | None:
         """Load the latest complete checkpoint under ``path`` (or ``path`` itself) into ``state``.
 
         Returns the saved plain values with ``step``, or None when there is no checkpoint yet.
         With ``fallback``, a damaged checkpoint is reported and the one before it is tried.
+        With ``strict=False``, tensors that only one side has are skipped, and reported.
         """
         self.wait()
+        meet("restore", peers)
         candidates = _candidates(Path(path), fallback)
         for i, candidate in enumerate(candidates):
             try:
-                return self._restore(candidate, state)
+                return self._restore(candidate, state, strict)
             except CheckpointMismatchError:
                 raise  # an older checkpoint of the same run would not match either
             except CheckpointError as error:
                 if i == len(candidates) - 1:
                     raise
-                warnings.warn(f"loom: skipping a damaged checkpoint: {error}; trying the one before it", stacklevel=2)
+                if self.rank == 0:
+                    warnings.warn(f"loom: skipping a damaged checkpoint: {error}; trying the one before it", stacklevel=3)
         return None
 
-    def _restore(self, path: Path, state: dict[str, Any]) -> dict[str, Any]:
+    def _restore(self, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
         layout.verify(path)
         meta = layout.read_json(path / "loom.json")
+        if meta.get("format") != FORMAT:
+            raise CheckpointMismatchError(
+                f"{path}: saved in checkpoint format {meta.get('format')!r}, and this loom reads format {FORMAT}: "
+                "restore it with the loom version that saved it (or a newer one)"
+            )
         index = read_index(path / ".metadata")
-        tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"})
-        check_match(flatten(tensors), index.state_dict_metadata, path)
+        tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"}, meta["plain"])
+        missing, unexpected = check_match(flatten(tensors), index.state_dict_metadata, path, strict)
+        tensors = without(tensors, set(missing))
         try:
             with quiet():
                 dcp.load(
@@ -149,17 +190,22 @@ class Checkpointer:
                 )
         except Exception as error:
             raise CheckpointError(f"{path}: could not be read ({error}); restore(..., fallback=True) tries the previous one") from error
-        apply(state, meta["kinds"], merge(tensors, meta["plain"]))
+        apply(state, meta["kinds"], merge(tensors, meta["plain"]), strict)
         mine = path / f"rank-{self.rank:05d}.json"
         if mine.is_file() and meta["world_size"] == self.world_size:
             set_rng_state(layout.read_json(mine)["rng"])
-        return {
+        restored = {
             **{k: v for k, v in meta["plain"].items() if meta["kinds"][k] == "value"},
             "step": meta["step"],
             "path": str(path),
             "strategy": meta["strategy"],
             "world_size": meta["world_size"],
         }
+        if not strict:
+            restored.update(missing_keys=missing, unexpected_keys=unexpected)
+            if (missing or unexpected) and self.rank == 0:
+                warnings.warn(_partial(path, missing, unexpected), stacklevel=4)
+        return restored
 
     def _checkpoint_group(self) -> Any:
         """A gloo group of its own, so a background write never interleaves with training's collectives."""
@@ -184,29 +230,63 @@ class _BackgroundWriter(dcp.FileSystemWriter):
         return super().write_data(plan, planner)
 
 
+def _finish_pending_saves() -> None:
+    """At exit, before the process group is left: a worker ending with ``os._exit``
+    (``loom.launch.worker``) would otherwise kill an asynchronous save's writer mid-file."""
+    for checkpointer in list(_at_exit):
+        try:
+            checkpointer.wait()
+        except CheckpointError as error:  # too late to raise: say so in one line
+            print(f"loom: {error}", file=sys.stderr, flush=True)
+
+
+_at_exit: WeakSet[Checkpointer] = WeakSet()  # those that started an asynchronous save
+
+
 def _candidates(path: Path, fallback: bool) -> list[Path]:
     """The checkpoint ``path`` names (itself, or the newest under it), then older ones with ``fallback``."""
     if (path / layout.MARKER).is_file():
-        older = [p for p in reversed(layout.committed(path.parent)) if p.name < path.name]
+        older = [p for p in reversed(layout.committed(path.parent)) if layout.step_of(p) < layout.step_of(path)]
         return [path] + (older if fallback else [])
     found = list(reversed(layout.committed(path)))
     return found if fallback else found[:1]
 
 
-def check_match(wanted: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
-    """The first key whose presence or shape differs, named with both shapes."""
+def check_match(wanted: dict[str, Any], saved: dict[str, Any], path: Path, strict: bool = True) -> tuple[list[str], list[str]]:
+    """Tensors missing from the checkpoint, and the checkpoint's tensors not wanted here.
+
+    A shape that differs is an error, named with both shapes; with ``strict``, so is the
+    first key that only one side has.
+    """
+    missing = []
     for key, tensor in wanted.items():
         entry = saved.get(key)
         if entry is None or not hasattr(entry, "size"):
-            raise CheckpointMismatchError(
-                f"checkpoint does not match: {path} has no tensor '{key}' (here {list(tensor.shape)}); "
-                "is it a checkpoint of this model?"
-            )
-        if list(entry.size) != list(tensor.shape):
+            if strict:
+                raise CheckpointMismatchError(
+                    f"checkpoint does not match: {path} has no tensor '{key}' (here {list(tensor.shape)}); "
+                    "is it a checkpoint of this model? (restore(..., strict=False) loads the tensors both have)"
+                )
+            missing.append(key)
+        elif list(entry.size) != list(tensor.shape):
             raise CheckpointMismatchError(
                 f"checkpoint does not match: '{key}' is {list(entry.size)} in {path} and {list(tensor.shape)} here"
             )
     roots = {key.split(".", 1)[0] for key in wanted}
-    for key in saved:
-        if key.split(".", 1)[0] in roots and key not in wanted:
-            raise CheckpointMismatchError(f"checkpoint does not match: {path} has '{key}' {list(saved[key].size)}, which is not here")
+    unexpected = [key for key in saved if key.split(".", 1)[0] in roots and key not in wanted]
+    if unexpected and strict:
+        key = unexpected[0]
+        raise CheckpointMismatchError(f"checkpoint does not match: {path} has '{key}' {list(saved[key].size)}, which is not here")
+    return missing, unexpected
+
+
+def _partial(path: Path, missing: list[str], unexpected: list[str]) -> str:
+    """What a restore with ``strict=False`` skipped, in one line."""
+
+    def some(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (f", and {len(keys) - 5} more" if len(keys) > 5 else "") if keys else "none"
+
+    return (
+        f"loom: restored part of {path}: {len(missing)} tensor(s) not in the checkpoint kept their values "
+        f"({some(missing)}), {len(unexpected)} of its tensor(s) were not used ({some(unexpected)})"
+    )

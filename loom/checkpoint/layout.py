@@ -8,10 +8,12 @@
         rank-00000.json ...     each replica's RNG states
         COMMITTED               written last, before the rename: every file's size
       .tmp-step-00000140/       a save in progress, or one cut short (kill -9): never read
+      .replaced-step-00000120/  step 120 saved again: the old copy, until the new one is in place
 
 A rename within one filesystem is atomic, so a reader sees a whole checkpoint or none; one
-interrupted at any point leaves the previous checkpoints as they were. In a job of several
-nodes the root must be on storage that every node sees.
+interrupted at any point leaves the previous checkpoints as they were. A step saved again
+replaces its checkpoint by two renames, and one of the two copies is found at every moment.
+In a job of several nodes the root must be on storage that every node sees.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
 _STEP = re.compile(r"^step-(\d+)$")
+_REPLACED = re.compile(r"^\.replaced-step-(\d+)$")
 
 
 def step_dir(root: str | os.PathLike, step: int) -> Path:
@@ -37,13 +40,32 @@ def temp_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f".tmp-step-{step:08d}"
 
 
+def step_of(path: Path) -> int:
+    """The step of a checkpoint directory (``step-N``, or its replaced copy)."""
+    return int(path.name.rsplit("-", 1)[1])
+
+
 def committed(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root``, oldest first.
+
+    A replaced copy counts only while its step has no ``step-N``: a save of that step was cut
+    short between its two renames.
+    """
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / MARKER).is_file()]
-    return [p for _, p in sorted(found)]
+    found: dict[int, Path] = {}
+    for pattern in (_REPLACED, _STEP):  # step-N wins over its replaced copy
+        for p in root.iterdir():
+            if (m := pattern.match(p.name)) and (p / MARKER).is_file():
+                found[int(m.group(1))] = p
+    return [found[step] for step in sorted(found)]
+
+
+def next_step(root: str | os.PathLike) -> int:
+    """The step after the newest complete checkpoint under ``root``; 0 when there is none."""
+    done = committed(root)
+    return step_of(done[-1]) + 1 if done else 0
 
 
 def resolve(path: str | os.PathLike) -> Path | None:
@@ -56,15 +78,26 @@ def resolve(path: str | os.PathLike) -> Path | None:
 
 
 def commit(temp: Path, final: Path) -> None:
-    """Record every file's size, then make the checkpoint visible in one rename."""
+    """Record every file's size, then make the checkpoint visible in one rename.
+
+    A step saved again keeps its old checkpoint, renamed aside, until the new one has its name.
+    """
     sizes = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
     marker = temp / MARKER
     marker.write_text(json.dumps({"files": sizes}, indent=1))
     _fsync(marker)
-    if final.exists():  # the same step saved again
-        shutil.rmtree(final)
+    _fsync(temp)
+    if not final.exists():
+        os.rename(temp, final)
+        _fsync(final.parent)
+        return
+    aside = final.with_name(f".replaced-{final.name}")
+    if aside.exists():  # left by a replacement cut short after its second rename
+        shutil.rmtree(aside)
+    os.rename(final, aside)
     os.rename(temp, final)
     _fsync(final.parent)
+    shutil.rmtree(aside)
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -72,10 +105,13 @@ def prune(root: str | os.PathLike, keep: int) -> None:
     done = committed(root)
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
-    newest = int(_STEP.match(done[-1].name).group(1)) if done else -1  # type: ignore[union-attr]
+    newest = step_of(done[-1]) if done else -1
     for temp in Path(root).glob(".tmp-step-*"):  # older than the newest commit: abandoned
-        if int(temp.name.rsplit("-", 1)[1]) <= newest:
+        if step_of(temp) <= newest:
             shutil.rmtree(temp, ignore_errors=True)
+    for aside in Path(root).glob(".replaced-step-*"):  # superseded by its step-N
+        if aside not in done:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def clear_temp(temp: Path) -> None:
@@ -107,8 +143,13 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def write_json(path: Path, value: Any) -> None:
-    path.write_text(json.dumps(value))
+def write_json(path: Path, value: Any, durable: bool = False) -> None:
+    """``durable``: on disk before this returns (fsync), like the tensors' files."""
+    with open(path, "w") as file:
+        file.write(json.dumps(value))
+        if durable:
+            file.flush()
+            os.fsync(file.fileno())
 
 
 def read_json(path: Path) -> Any:

@@ -17,24 +17,13 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from loom.compat import DCP_INDEX_CLASSES, dcp_index_path
 from loom.errors import CheckpointError
-
-_ALLOWED = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},  # a name-to-layout lookup
-    "torch": {"Size"},
-    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath"},
-    "collections": {"OrderedDict"},
-}  # fmt: skip
 
 
 class _IndexUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if name in _ALLOWED.get(module, ()):
+        if name in DCP_INDEX_CLASSES.get(module, ()):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
             return getattr(torch, name)
@@ -45,7 +34,7 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader with an index loaded by an allow-list unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        path = dcp_index_path(self, kwargs.get("rank"))
         metadata = read_index(path)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -5,6 +5,10 @@ optimizer state by parameter name rather than position, so it loads into a model
 differently or sharded over another number of replicas. Any object with ``state_dict`` and
 ``load_state_dict`` (an input pipeline's loader, an LR scheduler, a GradScaler) is saved the
 same way; other values must be tensors or JSON values.
+
+An optimizer saved before its first step has no state, and the checkpoint records none:
+saving does not create one (``loom.compat.optimizer_state_dict``), and restoring it leaves
+the optimizer without state, as a fresh one is.
 """
 
 from __future__ import annotations
@@ -17,19 +21,24 @@ import numpy as np
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+from loom.compat import optimizer_state_dict
 from loom.errors import CheckpointError
 
 Tree = dict[str, Any]
 
 
-def collect(state: dict[str, Any]) -> tuple[Tree, Tree, dict[str, str]]:
-    """``(tensors, plain, kinds)`` of the named objects a user passed to save or restore."""
+def collect(state: dict[str, Any], saved: Tree | None = None) -> tuple[Tree, Tree, dict[str, str]]:
+    """``(tensors, plain, kinds)`` of the named objects a user passed to save or restore.
+
+    ``saved``: when restoring, the plain values of the checkpoint they are restored from.
+    """
     tensors: Tree = {}
     plain: Tree = {}
     kinds: dict[str, str] = {}
@@ -37,7 +46,7 @@ def collect(state: dict[str, Any]) -> tuple[Tree, Tree, dict[str, str]]:
         if isinstance(value, nn.Module):
             kinds[name], tree = "module", get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
-            kinds[name], tree = "optimizer", get_optimizer_state_dict(_owner(value, state), value)
+            kinds[name], tree = "optimizer", _optimizer_tree(_owner(value, state), value, None if saved is None else saved.get(name))
         elif hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
             kinds[name], tree = "stateful", value.state_dict()
         elif isinstance(value, torch.Tensor):
@@ -50,14 +59,30 @@ def collect(state: dict[str, Any]) -> tuple[Tree, Tree, dict[str, str]]:
     return tensors, plain, kinds
 
 
-def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree) -> None:
-    """Load ``loaded`` into the user's objects in place (plain values come back from ``restore``)."""
+def _optimizer_tree(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Tree | None) -> Tree:
+    """The optimizer's state to save (``saved`` None), or to load the checkpoint's ``saved`` into.
+
+    Loading needs tensors to load into, which DCP creates in an optimizer without state; a
+    checkpoint saved before the first step has none to load.
+    """
+    if saved is None:
+        return optimizer_state_dict(model, optimizer)
+    if saved.get("state"):
+        return get_optimizer_state_dict(model, optimizer)
+    return {**optimizer_state_dict(model, optimizer), "state": {}}
+
+
+def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree, strict: bool = True) -> None:
+    """Load ``loaded`` into the user's objects in place (plain values come back from ``restore``).
+
+    ``strict=False``: a model's keys that ``loaded`` lacks keep their values.
+    """
     for name, value in state.items():
         kind = kinds.get(name)
         if kind is None:
             raise CheckpointError(f"the checkpoint holds no '{name}' (it holds: {', '.join(sorted(kinds))})")
         if kind == "module":
-            set_model_state_dict(value, loaded[name])
+            set_model_state_dict(value, loaded[name], options=StateDictOptions(strict=strict))
         elif kind == "optimizer":
             set_optimizer_state_dict(_owner(value, state), value, loaded[name])
         elif kind == "stateful":
@@ -104,6 +129,18 @@ def flatten(tree: Tree, prefix: str = "") -> dict[str, torch.Tensor]:
         else:
             flat[path] = value
     return flat
+
+
+def without(tree: Tree, keys: set[str], prefix: str = "") -> Tree:
+    """``tree`` less the tensors at the dotted ``keys`` (as ``flatten`` names them)."""
+    kept: Tree = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            kept[key] = without(value, keys, f"{path}.")
+        elif path not in keys:
+            kept[key] = value
+    return kept
 
 
 def rng_state() -> dict[str, Any]:

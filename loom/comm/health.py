@@ -166,6 +166,10 @@ class HealthMonitor:
             return None
         return json.loads(self._store.get(key))
 
+    def finished(self, rank: int) -> bool:
+        """Whether ``rank`` ended its program (it left the job without failing)."""
+        return self._store.check([self._key("done", rank)])
+
     def _beats(self, ranks: list[int]) -> dict[int, int]:
         return {r: self._store.add(self._key("beat", r), 0) for r in ranks}
 
@@ -203,9 +207,10 @@ class HealthMonitor:
             found.append(f"rank(s) {', '.join(never)} never joined the job")
         return "; ".join(found) or None
 
-    def failure_error(self, cause: BaseException) -> RankFailureError | None:
-        """A RankFailureError naming the failed peer, if ``cause`` came from one."""
-        reason = self.diagnose(sample_heartbeats=looks_distributed(cause))
+    def failure_error(self, cause: BaseException | None = None) -> RankFailureError | None:
+        """A RankFailureError naming the failed peer, if ``cause`` came from one (without a cause:
+        if any peer died or stopped responding, heartbeats sampled)."""
+        reason = self.diagnose(sample_heartbeats=cause is None or looks_distributed(cause))
         if reason is None:
             return None
         self.post_failure(reason, victim=True)

@@ -13,16 +13,15 @@ import socket
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 import torch.distributed as dist
-import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
 from loom.cluster import NodeSpec
+from loom.compat import elastic_agent
 from loom.errors import LaunchError
 from loom.launch.failures import report
 
@@ -142,16 +141,10 @@ class ReportingAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
 
-@contextmanager
-def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> Iterator[None]:
+def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> ContextManager[None]:
     """Have torchrun, called in this block, run its workers under a ``ReportingAgent``."""
-    original = launcher_api.LocalElasticAgent
 
     def build(**kwargs: Any) -> ReportingAgent:
         return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, **kwargs)
 
-    launcher_api.LocalElasticAgent = build
-    try:
-        yield
-    finally:
-        launcher_api.LocalElasticAgent = original
+    return elastic_agent(build)

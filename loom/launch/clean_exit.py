@@ -3,18 +3,21 @@
 Once DDP has been built, PyTorch keeps the gloo process group (and its threads) alive past
 ``destroy_process_group`` (the C++ reducer holds it), and destroying it during the
 interpreter's C++ teardown sometimes aborts a finished worker with "terminate called without
-an active exception". So a worker runs the atexit handlers (loom leaves the process group
-there), flushes every open file, and leaves with ``os._exit``, skipping only that teardown.
+an active exception". So a worker runs the atexit handlers (loom commits a pending
+asynchronous checkpoint there, then leaves the process group), flushes every open file, and
+leaves with ``os._exit``, skipping only that teardown. ``os._exit`` ends every thread at once:
+whatever must finish has to finish in an atexit handler.
 """
 
 from __future__ import annotations
 
-import atexit
 import gc
 import io
 import os
 import sys
 from typing import Any, Callable, NoReturn
+
+from loom.compat import run_exit_handlers
 
 
 def _flush_open_files() -> None:
@@ -29,7 +32,7 @@ def _flush_open_files() -> None:
 
 
 def _exit(code: int) -> NoReturn:
-    atexit._run_exitfuncs()  # CPython's own teardown step, run here so os._exit loses nothing
+    run_exit_handlers()  # CPython's own teardown step, run here so os._exit loses nothing
     _flush_open_files()
     os._exit(code)
 

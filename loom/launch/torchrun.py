@@ -16,11 +16,11 @@ import struct
 import sys
 from dataclasses import dataclass, field
 
-from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from loom.cluster import NodeSpec, resolve_node
+from loom.compat import run_torchrun
 from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
@@ -171,7 +171,7 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         with reporting_agent(node, world_size, wait_report):
-            torchrun.run(torchrun.parse_args(argv))
+            run_torchrun(argv)
     except ChildFailedError as error:
         print(report(error.failures, world_size, "job failed"), file=sys.stderr, flush=True)
         return 1

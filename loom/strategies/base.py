@@ -23,12 +23,12 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, U
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.checkpoint import Checkpointer
+from loom.compat import OptimizedModule
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.strategies.optimizer import StrategyOptimizer
@@ -288,27 +288,49 @@ class Strategy(ABC):
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(
-        self, directory: str | Path, *, step: int, keep: int = 3, async_save: bool = False, durable: bool = True, **state: Any
+        self,
+        directory: str | Path,
+        *,
+        step: int | None = None,
+        keep: int = 3,
+        async_save: bool = False,
+        durable: bool = True,
+        **state: Any,
     ) -> Path:
-        """Save ``state`` as ``directory/step-<step>``; every replica calls it at the same step.
+        """Save ``state`` as ``directory/step-<step>``; every replica calls it at the same point.
 
         ``state`` names what to keep: models, optimizers, anything with ``state_dict`` (the
         loader from ``distribute``, LR schedulers), tensors and JSON values. Restorable under
-        any strategy and number of replicas; see ``loom.checkpoint``. The last ``keep``
-        checkpoints are kept. With ``async_save`` training goes on while it is written.
-        ``durable`` fsyncs every file before the commit, so a machine that loses power keeps it too.
+        any strategy and number of replicas; see ``loom.checkpoint``. ``step`` defaults to the
+        one after the newest checkpoint in ``directory``. The last ``keep`` checkpoints are
+        kept. With ``async_save`` training goes on while it is written. ``durable`` fsyncs
+        every file before the commit, so a machine that loses power keeps it too. A replica
+        that does not call it is named within ``LOOM_SAVE_TIMEOUT`` seconds (10).
         """
+        peers = self._connection.monitor if self._connection is not None else None
+        scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in _scaled(state).items()}
         with self._guard():
-            return self._checkpointer.save(directory, step, _unwrapped(state), keep, async_save, durable)
+            return self._checkpointer.save(directory, step, {**_unwrapped(state), **scalers}, keep, async_save, durable, peers)
 
-    def restore(self, directory: str | Path, *, fallback: bool = False, **state: Any) -> dict[str, Any] | None:
+    def restore(
+        self, directory: str | Path, *, fallback: bool = False, strict: bool = True, **state: Any
+    ) -> dict[str, Any] | None:
         """Load the newest complete checkpoint under ``directory`` into ``state``'s objects, in place.
 
         Returns the saved plain values and ``step``, or None when there is no checkpoint yet.
         ``fallback=True`` passes over a damaged checkpoint to the one before it.
+        ``strict=False`` loads the tensors that the checkpoint and ``state`` both have (a
+        pretrained body into a model with a new head); the others are returned as
+        ``missing_keys`` and ``unexpected_keys``, and warned about once.
         """
+        peers = self._connection.monitor if self._connection is not None else None
         with self._guard():
-            return self._checkpointer.restore(directory, _unwrapped(state), fallback)
+            restored = self._checkpointer.restore(directory, _unwrapped(state), fallback, strict, peers)
+        for name, optimizer in _scaled(state).items():  # an fp32 checkpoint leaves the scaler fresh
+            saved = restored.pop(f"{name}{SCALER_SUFFIX}", None) if restored else None
+            if saved is not None:
+                optimizer.scaler.load_state_dict(saved)
+        return restored
 
     def job_report(self) -> dict[str, float] | None:
         """Figures about the whole job that only some strategies have (parameter servers); else None."""
@@ -340,6 +362,14 @@ class Strategy(ABC):
 
 
 WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule, OptimizedModule)
+
+
+SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value
+
+
+def _scaled(state: dict[str, Any]) -> dict[str, StrategyOptimizer]:
+    """The optimizers whose fp16 gradient scaler belongs in the checkpoint with them."""
+    return {name: v for name, v in state.items() if isinstance(v, StrategyOptimizer) and v.scaler is not None}
 
 
 def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,9 +1,12 @@
 """Keras' BackupAndRestore for ``loom.fit``: a job that is killed or preempted picks up where it was.
 
 At start, fit restores the newest complete checkpoint (model, optimizer, input position,
-epoch, history, every replica's RNG). It saves every ``every`` steps and at each epoch's
-end. Once armed, SIGTERM makes every replica save after the same step and exit 0; with
-``loom run --max-restarts N`` a job that lost a process is restarted and resumes here.
+epoch, history, every replica's RNG), or, when that one is damaged, the newest before it
+that is whole (saying so). It saves every ``every`` steps and at each epoch's end; a step
+that ends an epoch is saved once, by the epoch's save, which holds its logs (when the data
+has no length, that save replaces the step's, safely: ``layout.commit``). Once armed,
+SIGTERM makes every replica save after the same step and exit 0; with ``loom run
+--max-restarts N`` a job that lost a process is restarted and resumes here.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class BackupAndRestore:
 
     def restore(self, state: FitState, loader: Any) -> int:
         """The epoch to start from: the saved one, with the model, optimizer and loader restored."""
-        saved = self.strategy.restore(self.directory, model=state.model, optimizer=state.optimizer, loader=loader)
+        saved = self.strategy.restore(self.directory, fallback=True, model=state.model, optimizer=state.optimizer, loader=loader)
         if saved is None:
             return 0
         state.step, state.history = saved["step"], saved["history"]
@@ -36,10 +39,11 @@ class BackupAndRestore:
         return saved["epoch"]
 
     def after_step(self, state: FitState, loader: Any) -> None:
-        if self.every and state.step % self.every == 0:
+        preempted = self.strategy.preempted()
+        ends_epoch = bool(state.steps_per_epoch) and state.step % state.steps_per_epoch == 0
+        if preempted or (self.every and state.step % self.every == 0 and not ends_epoch):
             self._save(state, loader, state.epoch)
-        if self.strategy.preempted():
-            self._save(state, loader, state.epoch)
+        if preempted:
             self.strategy.shutdown()  # waits for an asynchronous save to be committed
             if self.strategy.is_chief:
                 print(f"loom: preempted: saved step {state.step} to {self.directory}; exiting", flush=True)

@@ -1,0 +1,92 @@
+"""Every private name of PyTorch (and CPython) that loom relies on, in one place.
+
+Each stands in for something the public API lacks. ``tests/test_compat.py`` checks every one
+against the installed versions, so an upgrade that renames or reshapes one fails there, by
+name, rather than deep inside a job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._dynamo.eval_frame import OptimizedModule  # what torch.compile(module) returns
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+# What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
+# Three of these names are private to torch; an index written by another torch may use others.
+DCP_INDEX_CLASSES: dict[str, set[str]] = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},  # a name-to-layout lookup
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath"},
+    "collections": {"OrderedDict"},
+}  # fmt: skip
+
+
+def dcp_index_path(reader: FileSystemReader, rank: int | None = None) -> os.PathLike:
+    """The file DCP's reader reads its index from (``.metadata``)."""
+    return reader._get_metadata_path(rank)
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """DCP's ``get_optimizer_state_dict``, leaving an optimizer without state as it was.
+
+    For an optimizer with no state yet (before its first step), DCP's private
+    ``_init_optim_state`` creates one by a step at learning rate 0: Adam's step count becomes
+    1 and every later update differs. It skips that step when a parameter has a gradient, so
+    one is lent a zero gradient meanwhile; there is no state to save then, only hyper-parameters.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    lent = next((p for p in params if p.requires_grad), None)  # none: DCP's step would change nothing
+    if optimizer.state or lent is None or any(p.grad is not None for p in params):
+        return get_optimizer_state_dict(model, optimizer)
+    lent.grad = torch.zeros_like(lent)
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        lent.grad = None
+
+
+def default_store() -> dist.Store:
+    """The key-value store the default process group was made with (torch has no public getter)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def run_exit_handlers() -> None:
+    """Run and clear the atexit handlers now, as the interpreter does at exit."""
+    atexit._run_exitfuncs()
+
+
+def run_torchrun(argv: list[str]) -> Any:
+    """torchrun's own command line, run in this process (``torch.distributed.run``'s ``main`` exits)."""
+    from torch.distributed import run as torchrun  # torch's elastic agent: imported by launchers only
+
+    return torchrun.run(torchrun.parse_args(argv))
+
+
+# The elastic agent's methods ``loom.launch.agent.ReportingAgent`` extends (private to torch).
+AGENT_HOOKS = ("_rendezvous", "_monitor_workers", "_restart_workers")
+
+
+@contextmanager
+def elastic_agent(build: Callable[..., Any]) -> Iterator[None]:
+    """torchrun, run in this block, builds its agent with ``build`` (it looks the class up by name)."""
+    import torch.distributed.launcher.api as launcher_api  # imported by launchers only
+
+    original = launcher_api.LocalElasticAgent
+    launcher_api.LocalElasticAgent = build
+    try:
+        yield
+    finally:
+        launcher_api.LocalElasticAgent = original

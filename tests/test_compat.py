@@ -1,0 +1,102 @@
+"""Each private name in loom.compat still exists and behaves as loom relies on: a torch upgrade
+that changes one fails here, by name."""
+
+import importlib
+import inspect
+import pickle
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from loom import compat
+from loom.checkpoint.safe_reader import quiet
+from loom.launch.torchrun import LaunchOptions, torchrun_argv
+from tests.helpers import ROOT, job_env
+
+
+def test_every_class_of_the_dcp_index_allow_list_exists():
+    for module, names in compat.DCP_INDEX_CLASSES.items():
+        for name in names:
+            assert hasattr(importlib.import_module(module), name), f"{module}.{name} is gone from torch"
+
+
+def test_a_dcp_index_written_by_this_torch_uses_only_allowed_classes(tmp_path):
+    with quiet():
+        dcp.save({"w": torch.ones(3, 2), "nested": {"b": torch.zeros(4, dtype=torch.int64)}}, checkpoint_id=tmp_path, no_dist=True)
+    path = compat.dcp_index_path(FileSystemReader(tmp_path))
+    assert path == tmp_path / ".metadata" and path.is_file()
+    used = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            used.add((module, name))
+            return super().find_class(module, name)
+
+    with open(path, "rb") as f:
+        Recording(f).load()
+    torch_values = {(m, n) for m, n in used if m == "torch" and not isinstance(getattr(torch, n), type)}  # dtypes, layouts
+    refused = {(m, n) for m, n in used - torch_values if n not in compat.DCP_INDEX_CLASSES.get(m, ())}
+    assert not refused, f"DCP's index now pickles {sorted(refused)}: add them to loom.compat.DCP_INDEX_CLASSES if safe"
+
+
+def test_the_default_store_is_the_one_the_group_was_made_with():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        before = store.num_keys()
+        compat.default_store().set("loom-compat", "seen")
+        assert store.num_keys() == before + 1 and compat.default_store().get("loom-compat") == b"seen"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exit_handlers_run_once_when_asked():
+    code = "import atexit, loom.compat as c; atexit.register(print, 'handler'); c.run_exit_handlers(); print('after')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["handler", "after"]
+
+
+def test_torchrun_parses_loom_s_command_line_and_runs_it_in_process():
+    from torch.distributed import run as torchrun
+
+    args = torchrun.parse_args(torchrun_argv(LaunchOptions(nproc=2), ["train.py", "--lr", "0.1"]))
+    assert (args.nproc_per_node, args.standalone, args.module, args.training_script) == ("2", True, True, "loom.launch.worker")
+    assert args.training_script_args == ["train.py", "--lr", "0.1"]
+    assert list(inspect.signature(torchrun.run).parameters) == ["args"]
+
+
+def test_dcp_does_not_step_an_optimizer_whose_parameters_have_gradients():
+    """``compat.optimizer_state_dict`` relies on it to keep DCP from stepping a fresh optimizer."""
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.weight.grad = torch.zeros_like(model.weight)
+    assert get_optimizer_state_dict(model, opt)["state"] == {} and not opt.state
+
+    fresh = torch.optim.Adam(model.parameters(), lr=0.1)
+    model.weight.grad = None
+    assert compat.optimizer_state_dict(model, fresh)["state"] == {}
+    assert not fresh.state and model.weight.grad is None and model.bias.grad is None
+
+
+def test_torch_compile_returns_the_module_type_unwrap_peels():
+    net = nn.Linear(2, 2)
+    compiled = torch.compile(net, backend="eager")
+    assert isinstance(compiled, compat.OptimizedModule) and compiled._orig_mod is net
+
+
+def test_the_elastic_agent_is_built_by_name_and_has_the_hooks_loom_extends():
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
+    assert all(callable(getattr(LocalElasticAgent, hook, None)) for hook in compat.AGENT_HOOKS)
+    with compat.elastic_agent(dict):
+        assert launcher_api.LocalElasticAgent is dict
+    assert launcher_api.LocalElasticAgent is LocalElasticAgent
