@@ -30,7 +30,7 @@ class BackupAndRestore:
 
     def restore(self, state: FitState, loader: Any) -> int:
         """The epoch to start from: the saved one, with the model, optimizer and loader restored."""
-        saved = self.strategy.restore(self.directory, fallback=True, model=state.model, optimizer=state.optimizer, loader=loader)
+        saved = self.strategy.restore(self.directory, fallback=True, model=state.model, optimizer=state.optimizer, loader=loader, **_scheduler(state))
         if saved is None:
             return 0
         state.step, state.history = saved["step"], saved["history"]
@@ -55,5 +55,9 @@ class BackupAndRestore:
     def _save(self, state: FitState, loader: Any, epoch: int) -> None:
         self.strategy.save(
             self.directory, step=state.step, keep=self.keep, async_save=self.async_save,
-            model=state.model, optimizer=state.optimizer, loader=loader, epoch=epoch, history=state.history,
+            model=state.model, optimizer=state.optimizer, loader=loader, epoch=epoch, history=state.history, **_scheduler(state),
         )  # fmt: skip
+
+
+def _scheduler(state: FitState) -> dict[str, Any]:
+    return {"scheduler": state.scheduler} if state.scheduler is not None else {}

@@ -25,6 +25,7 @@ class FitState:
     steps_per_epoch: int | None
     global_batch: int
     loader: Any = None  # the training data as this replica reads it
+    scheduler: Any = None  # the LR scheduler fit steps, if any (saved with the checkpoints)
     epoch: int = 0
     step: int = 0
     stop: bool = False

@@ -139,7 +139,7 @@ def fit(
     train = strategy.distribute(train_data, batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
     val = strategy.distribute(val_data, train.global_batch, shuffle=_in_order(val_data)) if val_data is not None else None
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
-    state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train)
+    state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train, scheduler=scheduler)
     backup = None
     first_epoch = 0
     if checkpoint_dir is not None:

@@ -90,3 +90,20 @@ def test_fit_trains_on_a_pipeline_and_prints_the_input_report_when_input_bound(c
     assert len(history["loss"]) == 2 and history["loss"][-1] < history["loss"][0]
     out = capsys.readouterr().out
     assert "verdict: input-bound, slowest stage 'slow'" in out
+
+
+def test_fit_steps_its_scheduler_per_update_clips_and_resumes_it(tmp_path):
+    """A scheduler factory steps once per update (with accumulation too) and is saved with the checkpoints."""
+    def run(epochs, directory):
+        net = model()
+        loom.fit(net, F.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), data(64, 0), epochs=epochs, batch_size=16,
+                 scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), accumulate=2,
+                 max_grad_norm=0.5, strategy=loom.OneDeviceStrategy(), progress=False, checkpoint_dir=directory)  # fmt: skip
+        return net
+
+    straight = run(2, tmp_path / "straight")
+    run(1, tmp_path / "resumed")
+    resumed = run(2, tmp_path / "resumed")
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    assert (tmp_path / "straight" / "step-00000008").is_dir()  # 64 samples / 16, two epochs: 8 updates
