@@ -79,6 +79,11 @@ def read_dataloader(
             f"distribute(shuffle={shuffle}) conflicts with the DataLoader's {type(sampler).__name__} ({what}); "
             "leave shuffle out (None) to keep the DataLoader's order, or build the DataLoader as you want it"
         )
+    if batch_size is not None and own_batch is not None and batch_size != own_batch:
+        raise ValueError(
+            f"distribute(batch_size={batch_size}) conflicts with the DataLoader's batch_size={own_batch} (the global "
+            "batch): leave batch_size out to keep the DataLoader's, or build the DataLoader with the one you want"
+        )
     if drop_last is not None and drop_last != own_drop_last:
         raise ValueError(
             f"distribute(drop_last={drop_last}) conflicts with the DataLoader's drop_last={own_drop_last}; "

@@ -48,6 +48,8 @@ class Strategy(ABC):
         self._connection: Connection | None = None
         self._accumulation_steps = 1
         self._micro_steps = 0
+        self._accumulating: torch.optim.Optimizer | None = None  # the one optimizer an accumulate() cycle steps
+        self._optimizers = 0  # prepared: their steps go through the precision
 
     # ---- topology ---------------------------------------------------------------------------
     @property
@@ -113,7 +115,8 @@ class Strategy(ABC):
                 raise TypeError(f"the optimizer factory returned {type(inner).__name__}, not a torch.optim.Optimizer")
         else:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, not {type(optimizer).__name__}")
-        return wrapped, StrategyOptimizer(inner, self.precision, self._at_step_boundary)
+        self._optimizers += 1
+        return wrapped, StrategyOptimizer(inner, self.precision, self._may_step)
 
     def train_step(
         self,
@@ -134,18 +137,39 @@ class Strategy(ABC):
         """
         return TrainStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()`` with the strategy's gradient sync, scaling and accumulation."""
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)`` with the strategy's gradient sync, scaling and accumulation.
+
+        Once per micro-batch: sum several losses first (``accumulate`` counts the calls).
+        """
+        if self.precision.scaler is not None and not self._optimizers:
+            raise RuntimeError(
+                "precision='16-mixed' scales the loss, so the optimizer must unscale it: pass the optimizer to "
+                "strategy.prepare(model, optimizer), or use strategy.train_step"
+            )
         self._micro_steps += 1
         if self._accumulation_steps > 1:
             loss = loss / self._accumulation_steps
         with self._guard():
-            self.precision.scale(loss).backward()
+            self.precision.scale(loss).backward(**kwargs)
         if self._accumulation_steps > 1:  # DDP decides in the forward pass whether its backward syncs
             self._set_gradient_sync((self._micro_steps + 1) % self._accumulation_steps == 0)
 
     def _at_step_boundary(self) -> bool:
         return self._micro_steps % self._accumulation_steps == 0
+
+    def _may_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a prepared optimizer's step/zero_grad acts now; one optimizer per accumulate() cycle."""
+        if self._accumulation_steps > 1:
+            if self._accumulating is None:
+                self._accumulating = optimizer
+            elif self._accumulating is not optimizer:
+                raise RuntimeError(
+                    "accumulate() counts one backward per micro-batch, so it cannot tell a second optimizer's "
+                    "backward (a GAN's) from the next micro-batch: use one accumulate() per optimizer's loop, or "
+                    "strategy.train_step(..., accumulate=k) for each model"
+                )
+        return self._at_step_boundary()
 
     @property
     def sync_gradients(self) -> bool:
@@ -188,13 +212,13 @@ class Strategy(ABC):
             raise ValueError(f"accumulate() takes a positive number of micro-steps, got {steps!r}")
         if self._accumulation_steps != 1:
             raise RuntimeError("accumulate() is already active; nest the loop in one accumulate() only")
-        self._accumulation_steps, self._micro_steps = steps, 0
+        self._accumulation_steps, self._micro_steps, self._accumulating = steps, 0, None
         self._set_gradient_sync(steps == 1)
         try:
             yield
         finally:
             leftover = self._micro_steps % steps
-            self._accumulation_steps, self._micro_steps = 1, 0
+            self._accumulation_steps, self._micro_steps, self._accumulating = 1, 0, None
             self._set_gradient_sync(True)
             if leftover:
                 warnings.warn(

@@ -8,6 +8,7 @@ argument, kept in ``loom.comm.compression``.
 from __future__ import annotations
 
 import re
+import weakref
 from contextlib import ExitStack
 from typing import Any, ContextManager
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection, compression_hook
 from loom.devices import apply_thread_budget, local_device
@@ -38,8 +40,9 @@ class MirroredStrategy(Strategy):
             use (a branch not taken, a frozen head); costs a graph walk per step.
         static_graph: DDP's option for a graph that is the same every step (lets it skip
             that walk, and allows reentrant activation checkpointing).
-        broadcast_buffers: DDP's option: replica 0's buffers (BatchNorm statistics) copied to
-            every replica before each forward.
+        broadcast_buffers: DDP's option (``forward_sync_buffers`` in torch 2.13): replica 0's
+            buffers (BatchNorm statistics) copied to every replica before each forward; they are
+            made equal once at the start either way.
         sync_batchnorm: BatchNorm layers compute their statistics over the global batch.
     """
 
@@ -66,11 +69,15 @@ class MirroredStrategy(Strategy):
         self._check_topology(num_replicas)
         self._hook = compression_hook(compression)
         self.bucket_cap_mb = bucket_cap_mb
-        self.ddp_options = {"find_unused_parameters": find_unused_parameters, "static_graph": static_graph, "broadcast_buffers": broadcast_buffers}
+        self.ddp_options = {
+            "find_unused_parameters": find_unused_parameters,
+            "static_graph": static_graph,
+            "forward_sync_buffers": broadcast_buffers,  # torch 2.13's name (its broadcast_buffers is deprecated)
+        }
         self.sync_batchnorm = sync_batchnorm
         self._device = local_device(self.cluster.local_rank)
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
-        self._ddp: list[DistributedDataParallel] = []
+        self._ddp: weakref.WeakSet[ReplicatedModule] = weakref.WeakSet()  # every model prepared, while it lives
         self._connection = Connection.join(self.cluster, self._device, self.timeout, backend)
 
     def _check_topology(self, num_replicas: int | None) -> None:
@@ -110,24 +117,43 @@ class MirroredStrategy(Strategy):
         )
         if self._hook is not None:
             ddp.register_comm_hook(None, self._hook)
-        self._ddp.append(ddp)
+        self._ddp.add(ddp)
         return ddp
 
     def _skip_gradient_sync(self) -> ContextManager[Any]:
         stack = ExitStack()
         for ddp in self._ddp:
-            stack.enter_context(ddp.no_sync())
+            if ddp.may_skip_sync:
+                stack.enter_context(ddp.no_sync())
         return stack
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         for ddp in self._ddp:
-            ddp.require_backward_grad_sync = enabled
+            ddp.require_backward_grad_sync = enabled or not ddp.may_skip_sync
+
+    def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
+        """DDP hands every replica replica 0's buffers (BatchNorm statistics) at the next forward;
+        the checkpoint holds those too, so a resumed run equals one that went on."""
+        with self._guard():
+            for ddp in self._ddp:
+                if ddp.forward_sync_buffers:
+                    for buffer in ddp.module.buffers():
+                        comm.broadcast(buffer, 0)
+        return super().save(directory, **options)
 
 
 class ReplicatedModule(DistributedDataParallel):
     """DDP, with its unused-parameter error turned into one line that names the parameters."""
 
+    synced_once = False  # a static graph is recorded in a synchronised backward: none may be skipped before
+
+    @property
+    def may_skip_sync(self) -> bool:
+        return self.synced_once or not self.static_graph
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.require_backward_grad_sync and torch.is_grad_enabled():
+            self.synced_once = True
         try:
             return super().forward(*args, **kwargs)
         except RuntimeError as error:
@@ -136,7 +162,7 @@ class ReplicatedModule(DistributedDataParallel):
             raise RuntimeError(self._unused_message(str(error))) from None
 
     def _unused_message(self, error: str) -> str:
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
+        names = [n.replace("_orig_mod.", "") for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", error)
         unused = [names[int(i)] for i in re.findall(r"\d+", found.group(1)) if int(i) < len(names)] if found else []
         which = f"parameter(s) {', '.join(unused)}" if unused else "some parameters"

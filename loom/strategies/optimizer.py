@@ -16,7 +16,9 @@ class StrategyOptimizer(torch.optim.Optimizer):
     ``precision`` is the strategy's ``Precision``: fp16 steps go through its gradient scaler.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[], bool] = lambda: True) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[torch.optim.Optimizer], bool] = lambda _: True
+    ) -> None:
         self.optimizer = optimizer
         self.precision = precision
         self._should_step = should_step
@@ -42,12 +44,12 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        if not self._should_step():
+        if not self._should_step(self):
             return None
         return self.precision.step(self.optimizer, closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._should_step():
+        if self._should_step(self):
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,7 +6,9 @@ eager (a pipeline schedule, one compiled XLA program) replace ``Strategy.train_s
 its signature and meaning:
 
 - the batch is this replica's share of the global batch; with ``accumulate=k`` it is run as k
-  micro-batches whose gradients are summed locally and synchronised once, after the last;
+  micro-batches whose gradients are summed locally and synchronised once, after the last
+  (``loss_fn`` must average over its batch, as torch's losses do by default);
+- ``targets`` may be None for a model that computes its own loss (``loss_fn(outputs, None)``);
 - fp16 losses are scaled, and the gradients unscaled once, before clipping;
 - ``max_grad_norm`` clips the norm of the gradients after they are synchronised;
 - the scheduler steps once per update, never per micro-batch;
@@ -21,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch import nn
 
-from loom.strategies.optimizer import inner_optimizer
+from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 
 if TYPE_CHECKING:
     from loom.strategies.base import Strategy
@@ -65,13 +67,13 @@ class TrainStep:
                 "train_step runs its own accumulation: pass accumulate=k to train_step() instead of "
                 "calling it inside strategy.accumulate()"
             )
-        size = _batch_len(targets)
-        chunks = _micro_batches(inputs, targets, self.accumulate, size)
+        size = batch_len(inputs if targets is None else targets)
+        chunks = _micro_batches(inputs, targets, min(self.accumulate, size), size)  # a short last batch: fewer
         loss_sum: torch.Tensor | None = None
         outputs = []
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
-            weight = _batch_len(y) / size  # the chunks' losses add up to the batch mean
+            weight = batch_len(x) / size  # the chunks' mean losses add up to the batch mean
             with strategy._guard(), (nullcontext() if last else strategy._skip_gradient_sync()):
                 out = self.model(x)
                 loss = self.loss_fn(out, y)
@@ -79,8 +81,8 @@ class TrainStep:
             outputs.append(_detached(out))
             part = loss.detach() * weight
             loss_sum = part if loss_sum is None else loss_sum + part
-        self.outputs = outputs[0] if len(outputs) == 1 else _concat(outputs)
         self._update()
+        self.outputs = outputs[0] if len(outputs) == 1 else _concat(outputs)
         assert loss_sum is not None
         return loss_sum
 
@@ -89,7 +91,10 @@ class TrainStep:
         if self.max_grad_norm is not None:
             precision.unscale(self.optimizer)
             self.grad_norm = self.strategy._clip_grad_norm(_parameters(self.optimizer), self.max_grad_norm)
-        self.optimizer.step()  # loom's optimizer steps through the precision's scaler
+        if isinstance(self.optimizer, StrategyOptimizer):
+            self.optimizer.step()  # through the precision's scaler
+        else:  # one the user built: the scaler must still unscale it (fp16 losses were scaled)
+            precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
@@ -99,14 +104,15 @@ def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
-def _batch_len(batch: Any) -> int:
+def batch_len(batch: Any) -> int:
+    """Samples in a batch: the first dimension of its (first) tensor."""
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
     if isinstance(batch, (list, tuple)) and batch:
-        return _batch_len(batch[0])
+        return batch_len(batch[0])
     if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    raise TypeError(f"train_step needs targets with a batch dimension (a tensor, or a list/dict of them), got {type(batch).__name__}")
+        return batch_len(next(iter(batch.values())))
+    raise TypeError(f"train_step needs a batch dimension: a tensor, or a list/tuple/dict of them, not {type(batch).__name__}")
 
 
 def _micro_batches(inputs: Any, targets: Any, k: int, size: int) -> list[tuple[Any, Any]]:
@@ -115,16 +121,17 @@ def _micro_batches(inputs: Any, targets: Any, k: int, size: int) -> list[tuple[A
     if size < k:
         raise ValueError(f"train_step(accumulate={k}) cannot split this replica's batch of {size} into {k} micro-batches; use a global batch of at least {k} per replica")
     bounds = [round(size * i / k) for i in range(k + 1)]
-    return [(_slice(inputs, a, b), _slice(targets, a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [(slice_batch(inputs, a, b), slice_batch(targets, a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def _slice(batch: Any, start: int, stop: int) -> Any:
+def slice_batch(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of a batch: a tensor, or a list, tuple or dict of them."""
     if isinstance(batch, torch.Tensor):
         return batch[start:stop]
     if isinstance(batch, (list, tuple)):
-        return type(batch)(_slice(b, start, stop) for b in batch)
+        return type(batch)(slice_batch(b, start, stop) for b in batch)
     if isinstance(batch, dict):
-        return {k: _slice(v, start, stop) for k, v in batch.items()}
+        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
     return batch
 
 
@@ -139,9 +146,10 @@ def _detached(out: Any) -> Any:
 
 
 def _concat(parts: list[Any]) -> Any:
+    """Micro-batches' outputs as one batch's; a value without a batch dimension is the last one's."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
+        return torch.cat(parts) if first.dim() > 0 else parts[-1]
     if isinstance(first, (list, tuple)):
         return type(first)(_concat(list(p)) for p in zip(*parts))
     if isinstance(first, dict):

@@ -30,20 +30,21 @@ class GlooSyncBatchNorm(_BatchNorm):
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
             return super().forward(input)
         self._check_input_dim(input)
-        dims = [0, *range(2, input.dim())]
-        shape = [1, -1] + [1] * (input.dim() - 2)
-        local = torch.tensor([input.numel() // input.shape[1]], dtype=input.dtype, device=input.device)
-        sums = dist_fn.all_reduce(torch.cat([input.sum(dims), local]))
+        x = input.float()  # statistics in fp32, as torch's BatchNorm keeps them under autocast
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        local = torch.tensor([x.numel() // x.shape[1]], dtype=x.dtype, device=x.device)
+        sums = dist_fn.all_reduce(torch.cat([x.sum(dims), local]))
         count = sums[-1]
         mean = sums[:-1] / count
-        centered = input - mean.reshape(shape)
+        centered = x - mean.reshape(shape)
         var = dist_fn.all_reduce(centered.pow(2).sum(dims)) / count
         if self.track_running_stats:
             self._track(mean.detach(), var.detach(), count.detach())
         out = centered * torch.rsqrt(var + self.eps).reshape(shape)
         if self.affine:
             out = out * self.weight.reshape(shape) + self.bias.reshape(shape)
-        return out
+        return out.to(input.dtype)
 
     @torch.no_grad()
     def _track(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 from loom.data import DistributedLoader
 from loom.strategies import Strategy, auto_strategy
 from loom.strategies.base import OptimizerFactory
+from loom.strategies.step import batch_len, slice_batch
 from loom.train.backup import BackupAndRestore
 from loom.train.callbacks import Callback, FitState, ProgressBar, TensorBoard
 from loom.train.metrics import Metric, resolve_metrics
@@ -40,7 +41,8 @@ class _Totals:
     def add(self, outputs: torch.Tensor, targets: torch.Tensor, loss: torch.Tensor, n: int) -> None:
         """Score the first ``n`` samples of a batch whose mean loss is ``loss``."""
         scores = [loss.detach().double() * n]
-        scores += [fn(outputs[:n].detach(), targets[:n]).double().sum() for fn in self.metrics.values()]
+        outputs, targets = slice_batch(outputs, 0, n), slice_batch(targets, 0, n)
+        scores += [fn(outputs, targets).double().sum() for fn in self.metrics.values()]
         self.sums += torch.stack(scores)
         self.count += n
 
@@ -65,7 +67,7 @@ def _evaluate_loader(model: nn.Module, loss_fn: LossFn, loader: DistributedLoade
         outputs = model(inputs)
         n = loader.valid_count(k)  # padding of an uneven last batch is left out
         if n:
-            totals.add(outputs, targets, loss_fn(outputs[:n], targets[:n]), n)
+            totals.add(outputs, targets, loss_fn(slice_batch(outputs, 0, n), slice_batch(targets, 0, n)), n)
     model.train(was_training)
     return totals
 
@@ -133,11 +135,19 @@ def fit(
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
     prepared, opt = strategy.prepare(model, optimizer)
-    if scheduler is not None and not hasattr(scheduler, "step"):
-        scheduler = scheduler(opt)
+    if scheduler is not None and (isinstance(scheduler, type) or not hasattr(scheduler, "step")):
+        scheduler = scheduler(opt)  # a factory (or a class) taking the optimizer
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ValueError(
+            "fit steps its scheduler once per update, and ReduceLROnPlateau needs a metric: step it yourself "
+            "from a Callback's on_epoch_end(state, logs) with logs['val_loss']"
+        )
     step = strategy.train_step(prepared, loss_fn, opt, scheduler=scheduler, max_grad_norm=max_grad_norm, accumulate=accumulate)
     train = strategy.distribute(train_data, batch_size, shuffle=shuffle, seed=seed, num_workers=num_workers)
-    val = strategy.distribute(val_data, train.global_batch, shuffle=_in_order(val_data)) if val_data is not None else None
+    val = None
+    if val_data is not None:  # a DataLoader keeps its own batch size
+        val_batch = None if isinstance(val_data, DataLoader) else train.global_batch
+        val = strategy.distribute(val_data, val_batch, shuffle=_in_order(val_data))
     hooks: list[Callback] = ([ProgressBar()] if progress else []) + ([TensorBoard(log_dir)] if log_dir else []) + list(callbacks)
     state = FitState(strategy, prepared, opt, epochs, train.steps_per_epoch, train.global_batch, train, scheduler=scheduler)
     backup = None
@@ -158,10 +168,10 @@ def fit(
         for k, (inputs, targets) in enumerate(train):
             loss = step(inputs, targets)
             n = train.valid_count(k)  # the padding of an uneven last batch is trained on, not counted
-            if n == len(targets):
+            if n == batch_len(targets):
                 totals.add(step.outputs, targets, loss, n)
             elif n:
-                totals.add(step.outputs, targets, loss_fn(step.outputs[:n], targets[:n]), n)
+                totals.add(step.outputs, targets, loss_fn(slice_batch(step.outputs, 0, n), slice_batch(targets, 0, n)), n)
             state.step += 1
             for cb in hooks:
                 cb.on_batch_end(state, loss)

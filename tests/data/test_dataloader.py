@@ -170,3 +170,12 @@ def test_valid_counts_of_a_resumed_shuffled_epoch_count_each_sample_once(sampler
         resumed.load_state_dict(first.state_dict())
         counted += real_samples(resumed)
     assert sorted(counted) == list(range(23))
+
+
+def test_a_batch_size_that_contradicts_the_dataloader_is_refused():
+    import loom
+
+    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=8)
+    with pytest.raises(ValueError, match=r"distribute\(batch_size=4\) conflicts with the DataLoader's batch_size=8 \(the global batch\)"):
+        loom.OneDeviceStrategy().distribute(loader, batch_size=4)
+    assert loom.OneDeviceStrategy().distribute(loader, batch_size=8).global_batch == 8

@@ -39,15 +39,34 @@ def _batches(strategy, steps=3, batch=16):
     return strategy.distribute(data, batch_size=batch, shuffle=False)
 
 
-def _train_batchnorm(strategy):
+def _train_batchnorm(strategy, accumulate=1):
     model, opt = strategy.prepare(_with_batchnorm(), lambda p: torch.optim.SGD(p, lr=0.1))
-    step = strategy.train_step(model, F.cross_entropy, opt)
+    step = strategy.train_step(model, F.cross_entropy, opt, accumulate=accumulate)
     for x, y in _batches(strategy):
         step(x, y)
     return {k: v.detach().clone() for k, v in loom.unwrap(model).state_dict().items()}
 
 
-def _job():
+def _resumed_batchnorm(strategy, directory):
+    """Two steps, save, two more; against a fresh model restored from the save, then two steps."""
+    batches = list(_batches(strategy, steps=4))
+    runs = []
+    for resumed in (False, True):
+        model, opt = strategy.prepare(_with_batchnorm(), lambda p: torch.optim.SGD(p, lr=0.1))
+        step = strategy.train_step(model, F.cross_entropy, opt)
+        if resumed:
+            strategy.restore(directory, model=model, optimizer=opt)
+        for x, y in batches[:2] if not resumed else []:
+            step(x, y)
+        if not resumed:
+            strategy.save(directory, step=2, model=model, optimizer=opt)
+        for x, y in batches[2:]:
+            step(x, y)
+        runs.append({k: v.detach().clone() for k, v in loom.unwrap(model).state_dict().items()})
+    return runs
+
+
+def _job(directory):
     found = {}
     strategy = loom.MirroredStrategy(timeout=30)
     printed = io.StringIO()
@@ -69,6 +88,10 @@ def _job():
     found["unused_steps"] = sum(1 for x, y in _batches(tolerant) if step(x, y) is not None)
 
     found["sync_batchnorm"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True))
+    found["sync_batchnorm_fp16"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True, precision="16-mixed"))
+    found["static_graph_accumulated"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, static_graph=True), accumulate=2)
+    found["accumulated"] = _train_batchnorm(strategy, accumulate=2)
+    found["batchnorm_resumed"] = _resumed_batchnorm(strategy, directory)
 
     model, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
     calls = []
@@ -77,7 +100,7 @@ def _job():
         calls.append(1)
         return allreduce_hook(state, bucket)
 
-    strategy._ddp[-1].register_comm_hook(None, counting_all_reduce)
+    model.register_comm_hook(None, counting_all_reduce)  # fp32: the prepared model is the DDP wrapper
     with strategy.accumulate(4):
         for x, y in _batches(strategy, steps=8, batch=4):
             strategy.backward(F.cross_entropy(model(x), y))
@@ -89,8 +112,8 @@ def _job():
 
 
 @pytest.fixture(scope="module")
-def job():
-    return run_ranks(_job, 2, timeout=120)
+def job(tmp_path_factory):
+    return run_ranks(_job, 2, tmp_path_factory.mktemp("ddp"), timeout=150)
 
 
 def test_print_prints_on_the_chief_only(job):
@@ -116,3 +139,27 @@ def test_sync_batchnorm_uses_the_global_batch_statistics(job):
 def test_accumulation_all_reduces_once_per_update(job):
     """accumulate(4) over 8 micro-batches: 2 updates, so 2 all-reduces of the one bucket (not 8)."""
     assert [rank["all_reduces"] for rank in job] == [2, 2]
+
+
+def test_sync_batchnorm_keeps_fp32_statistics_under_fp16(job):
+    """Under autocast fp16 the sums overflowed (81,920 > 65,504): statistics are kept in fp32."""
+    for rank in job:
+        fp16, fp32 = rank["sync_batchnorm_fp16"], rank["sync_batchnorm"]
+        for key, value in fp32.items():
+            assert torch.isfinite(fp16[key].float()).all(), key
+            torch.testing.assert_close(fp16[key].float(), value.float(), rtol=0.05, atol=0.05, msg=key)
+
+
+def test_static_graph_with_accumulation_equals_plain_accumulation(job):
+    """DDP's static graph is recorded in a synchronised backward; the first micro-batch is not skipped."""
+    for rank in job:
+        for key, value in rank["accumulated"].items():
+            torch.testing.assert_close(rank["static_graph_accumulated"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_a_batchnorm_model_resumes_exactly(job):
+    """Replica 0's BatchNorm statistics, which DDP hands every replica, are the ones saved."""
+    for rank in job:
+        straight, resumed = rank["batchnorm_resumed"]
+        for key, value in straight.items():
+            assert torch.equal(resumed[key], value), key

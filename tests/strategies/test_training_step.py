@@ -142,3 +142,87 @@ def test_a_resumed_fp16_run_equals_an_uninterrupted_one(tmp_path):
     assert opt2.scaler.get_scale() == scale
     _fp16_run(resumed, model2, opt2, 3, start=3)
     assert torch.equal(again.weight, net.weight) and opt2.scaler.get_scale() == opt.scaler.get_scale()
+
+
+def test_fp16_with_an_optimizer_the_user_built():
+    """train_step unscales an optimizer prepare() did not wrap; the eager loop refuses it in one line."""
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    net, reference = _linear(0), _linear(0)
+    model = strategy.prepare(net)
+    step = strategy.train_step(model, F.mse_loss, torch.optim.SGD(net.parameters(), lr=0.1), max_grad_norm=10.0)
+    prepared = loom.OneDeviceStrategy(precision="16-mixed")
+    ref_model, ref_opt = prepared.prepare(reference, lambda p: torch.optim.SGD(p, lr=0.1))
+    ref_step = prepared.train_step(ref_model, F.mse_loss, ref_opt, max_grad_norm=10.0)
+    for _ in range(3):
+        x, y = torch.rand(8, 4), torch.rand(8, 1)
+        step(x, y)
+        ref_step(x, y)
+    assert torch.isfinite(net.weight).all() and torch.equal(net.weight, reference.weight)
+    bare = loom.OneDeviceStrategy(precision="16-mixed")
+    with pytest.raises(RuntimeError, match="precision='16-mixed' scales the loss, so the optimizer must unscale it: pass the optimizer to strategy.prepare"):
+        bare.backward(bare.prepare(_linear(0))(torch.ones(2, 4)).sum())
+
+
+def test_accumulate_refuses_a_second_optimizer_in_its_cycle():
+    strategy = loom.OneDeviceStrategy()
+    d, opt_d = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=0.1))
+    g, opt_g = strategy.prepare(_linear(1), lambda p: torch.optim.SGD(p, lr=0.1))
+    with strategy.accumulate(2), pytest.raises(RuntimeError, match="accumulate\\(\\) counts one backward per micro-batch"):
+        for model, opt in ((d, opt_d), (g, opt_g)):
+            strategy.backward(model(torch.ones(2, 4)).sum())
+            opt.step()
+
+
+def test_train_step_outputs_own_losses_and_short_last_batches():
+    """Dict outputs with a scalar, no targets (the model computes its loss), a batch smaller than accumulate."""
+    class Scored(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _linear(0)
+
+        def forward(self, x):
+            pred = self.net(x)
+            return {"pred": pred, "loss": pred.pow(2).mean()}
+
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(Scored(), lambda p: torch.optim.SGD(p, lr=0.1))
+    step = strategy.train_step(model, lambda out, _: out["loss"], opt, accumulate=4)
+    step(torch.ones(8, 4), None)
+    assert step.outputs["pred"].shape == (8, 1) and step.outputs["loss"].dim() == 0
+    step(torch.ones(2, 4), None)  # 2 samples, accumulate=4: two micro-batches
+    assert step.outputs["pred"].shape == (2, 1)
+
+
+def test_fit_and_evaluate_with_a_model_that_returns_a_dict():
+    class Named(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = model()
+
+        def forward(self, x):
+            return {"logits": self.net(x)}
+
+    from tests.scripts.fit_job import data
+
+    def loss(out, y):
+        return F.cross_entropy(out["logits"], y)
+
+    def correct(out, y):
+        return (out["logits"].argmax(1) == y).float()
+
+    history = loom.fit(Named(), loss, lambda p: torch.optim.SGD(p, lr=0.1), data(50, 0), val_data=data(21, 1), batch_size=8,
+                       metrics={"accuracy": correct}, strategy=loom.OneDeviceStrategy(), progress=False)  # fmt: skip
+    assert 0 <= history["val_accuracy"][0] <= 1
+    result = loom.evaluate(Named(), loss, data(21, 1), batch_size=8, metrics={"accuracy": correct}, strategy=loom.OneDeviceStrategy())
+    assert set(result) == {"loss", "accuracy"}
+
+
+def test_fit_refuses_a_scheduler_that_needs_a_metric():
+    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric: step it yourself from a Callback"):
+        loom.fit(_linear(0), F.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1), torch.utils.data.TensorDataset(torch.ones(4, 4), torch.ones(4, 1)),
+                 batch_size=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, strategy=loom.OneDeviceStrategy(), progress=False)  # fmt: skip
+
+
+def model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
