@@ -292,3 +292,17 @@ def resolve_node(
         if resolver.detect():
             return resolver.resolve()
     return NodeSpec()
+
+
+def seconds_from_env(name: str, default: float, error: type[Exception] = ValueError) -> float:
+    """A positive number of seconds from the environment variable ``name``; ``default`` when unset."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if seconds <= 0:
+        raise error(f"{name}={text!r} is not a positive number of seconds; unset it for the default ({default:g})")
+    return seconds

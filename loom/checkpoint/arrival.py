@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from loom.cluster import seconds_from_env
 from loom.comm.health import HealthMonitor
 from loom.compat import default_store
 from loom.errors import CheckpointError
@@ -29,14 +30,7 @@ _calls: dict[str, int] = {}  # this process's saves and restores so far: the sam
 
 def resolve_wait() -> float:
     """Seconds to wait for the other ranks to arrive (``LOOM_SAVE_TIMEOUT``, default 10)."""
-    text = os.environ.get(WAIT_ENV, str(DEFAULT_WAIT))
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise ValueError(f"{WAIT_ENV} must be a positive number of seconds, got {text!r}")
-    return seconds
+    return seconds_from_env(WAIT_ENV, DEFAULT_WAIT)
 
 
 def call_site() -> str:

@@ -19,7 +19,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from loom.cluster import ClusterSpec
+from loom.cluster import ClusterSpec, seconds_from_env
 from loom.comm import preemption
 from loom.errors import RankFailureError
 
@@ -246,14 +246,7 @@ def _silent_for(seconds: float) -> str:
 
 def resolve_silence_limit() -> float:
     """Seconds without a peer's heartbeat before it counts as gone (``LOOM_HEARTBEAT_TIMEOUT``, default 30)."""
-    text = os.environ.get("LOOM_HEARTBEAT_TIMEOUT", "30")
-    try:
-        limit = float(text)
-    except ValueError:
-        limit = -1.0
-    if limit <= 0:
-        raise ValueError(f"LOOM_HEARTBEAT_TIMEOUT must be a positive number of seconds, got {text!r}")
-    return limit
+    return seconds_from_env("LOOM_HEARTBEAT_TIMEOUT", 30.0)
 
 
 def _say(line: str) -> None:

@@ -16,7 +16,7 @@ from typing import ClassVar, Iterator
 import torch
 import torch.distributed as dist
 
-from loom.cluster import ClusterSpec
+from loom.cluster import ClusterSpec, seconds_from_env
 from loom.comm.health import HealthMonitor
 from loom.errors import ClusterError
 
@@ -27,13 +27,7 @@ DEFAULT_TIMEOUT = 300.0
 def resolve_timeout(timeout: float | None) -> float:
     """Collective timeout in seconds: the argument, else ``LOOM_TIMEOUT``, else 300."""
     if timeout is None:
-        text = os.environ.get(TIMEOUT_ENV)
-        if not text:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(text)
-        except ValueError:
-            raise ClusterError(f"{TIMEOUT_ENV}={text!r} is not a number of seconds") from None
+        return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT, ClusterError)
     if timeout <= 0:
         raise ClusterError(f"timeout must be a positive number of seconds, got {timeout}")
     return float(timeout)

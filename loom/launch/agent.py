@@ -8,7 +8,6 @@ rendezvous, and each restart with its attempt number and cause.
 
 from __future__ import annotations
 
-import os
 import socket
 import sys
 import threading
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-from loom.cluster import NodeSpec
+from loom.cluster import NodeSpec, seconds_from_env
 from loom.compat import elastic_agent
 from loom.errors import LaunchError
 from loom.launch.failures import report
@@ -31,16 +30,7 @@ DEFAULT_WAIT_REPORT = 30.0
 
 def wait_report_interval() -> float:
     """Seconds between "still waiting" lines at the rendezvous (``LOOM_RENDEZVOUS_REPORT``, default 30)."""
-    text = os.environ.get(WAIT_REPORT_ENV)
-    if not text:
-        return DEFAULT_WAIT_REPORT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise LaunchError(f"{WAIT_REPORT_ENV}={text!r} is not a positive number of seconds; unset it for the default (30)")
-    return seconds
+    return seconds_from_env(WAIT_REPORT_ENV, DEFAULT_WAIT_REPORT, LaunchError)
 
 
 def _say(line: str) -> None:

@@ -118,7 +118,7 @@ def test_loom_timeout_environment_variable(monkeypatch):
     assert loom.OneDeviceStrategy().timeout == 42
     assert loom.OneDeviceStrategy(timeout=7).timeout == 7
     monkeypatch.setenv("LOOM_TIMEOUT", "soon")
-    with pytest.raises(ClusterError, match="LOOM_TIMEOUT='soon' is not a number of seconds"):
+    with pytest.raises(ClusterError, match=r"LOOM_TIMEOUT='soon' is not a positive number of seconds; unset it for the default \(300\)"):
         loom.OneDeviceStrategy()
 
 
