@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import os
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -22,13 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.strategies.base import OptimizerFactory, Strategy
+from loom.comm import preemption
+from loom.errors import CheckpointError, LoomError
+from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
+from loom.strategies.optimizer import inner_optimizer
+from loom.strategies.parameter_server.checkpoints import plain_optimizer, pull_variable, push_variable, to_server, to_torch
 from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
+CHECKPOINT_ID = "parameter_server_checkpoint"  # a saved value naming the checkpoint, for the servers' lineage
 
 
 class RemoteEmbedding(nn.Module):
@@ -101,6 +108,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's: its state is the servers' as of the last ``restore`` (they keep the live one)."""
+        return self.optimizer.state_dict()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
@@ -207,37 +218,137 @@ class ParameterServerStrategy(Strategy):
             self._wait_until_created(clients)
         if self.synchronous:
             self.variables.join_rounds()
+        else:  # a restarted worker goes on from its predecessor's steps, not from 0 (staleness counts them)
+            self.variables.clock = max(int(c.call({"op": "stats"})[0]["progress"].get(str(self.worker), 0)) for c in clients)
         opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return model, opt
 
-    def save(self, directory: str | Path, *, step: int, **options: Any) -> Path | None:  # type: ignore[override]
-        """The chief pulls every variable into a plain copy of the model and saves that.
+    def save(self, directory: str | Path, **options: Any) -> Path | None:  # type: ignore[override]
+        """The chief saves an ordinary loom checkpoint; other workers return None.
 
-        The result is an ordinary loom checkpoint: it restores under any strategy (its
-        optimizer state stays on the servers). Other workers return None.
+        Each model is saved as the user built it, tables included, with the servers' values;
+        each optimizer as a torch optimizer of the user's class holding the servers' slots
+        (keyed as torch keeps them). So it restores under any strategy. Options (``step``,
+        ``keep``...) are the base class's. Variables are read in pieces, so no table is too large.
         """
         if not self.is_chief:
             return None
-        state = {name: self._consolidated(v) if isinstance(v, nn.Module) else v for name, v in options.items()}
-        state = {k: v for k, v in state.items() if not isinstance(v, ParameterServerOptimizer)}
-        return super().save(directory, step=step, **state)
+        variables = self._prepared()
+        pulled = {name: pull_variable(variables, name) for name in [*variables.placement.dense, *variables.placement.row_bounds]}
+        state = self._plain(options, pulled)
+        state[CHECKPOINT_ID] = uuid.uuid4().hex
+        path = super().save(directory, **state)
+        for client in variables.clients:  # the servers' state now descends from that checkpoint
+            client.call({"op": "lineage", "add": state[CHECKPOINT_ID]})
+        return path
 
-    def _consolidated(self, model: nn.Module) -> nn.Module:
-        """A copy of ``model`` with the servers' current values, embedding tables in place."""
-        assert self.variables is not None
-        copy = copy_module(model)
-        for name, module in list(copy.named_modules()):
+    def restore(self, directory: str | Path, **options: Any) -> dict[str, Any] | None:  # type: ignore[override]
+        """Load a checkpoint of any strategy; the chief writes its values (and, with an
+        optimizer, its slots) to the servers, and every worker then pulls them.
+
+        A checkpoint the servers' state descends from (saved during this job, which went on
+        training since) is not written back: a restarted worker resumes from the servers' newer
+        state, and only its own values (the loader's position, the epoch) come from the checkpoint.
+        """
+        variables = self._prepared()
+        state = self._plain(options, None)
+        saved = super().restore(directory, **state)
+        if saved is None:
+            return None
+        checkpoint = saved.pop(CHECKPOINT_ID, None) or str(saved["path"])
+        if not all(checkpoint in c.call({"op": "lineage"})[0]["lineage"] for c in variables.clients):
+            if self.is_chief:
+                self._write(state, options)
+                for client in variables.clients:
+                    client.call({"op": "lineage", "add": checkpoint})
+            else:
+                self._wait_for_lineage(checkpoint)
+            _mirror(state, options)
+        pulled = variables.pull_dense(list(variables.placement.dense))
+        for value in options.values():
+            if isinstance(value, nn.Module):
+                with torch.no_grad():
+                    for name, parameter in unwrap(value).named_parameters():
+                        if name in pulled:
+                            parameter.copy_(pulled[name])
+        return saved
+
+    def _prepared(self) -> ShardedVariables:
+        if self.variables is None:
+            raise LoomError("prepare(model, optimizer) first: the variables live on the servers once prepared")
+        return self.variables
+
+    def _plain(self, options: dict[str, Any], pulled: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None) -> dict[str, Any]:
+        """``options`` with each model as a plain copy (tables in place) and each optimizer as a
+        torch optimizer on it: with ``pulled`` (name -> value, slots) holding the servers' state,
+        else with the shapes only (to restore into)."""
+        variables = self._prepared()
+        copies: dict[int, nn.Module] = {}
+        out: dict[str, Any] = {}
+        for key, value in options.items():
+            if isinstance(value, nn.Module):
+                copies[id(unwrap(value))] = out[key] = self._plain_model(unwrap(value), pulled)
+        for key, value in options.items():
+            optimizer = inner_optimizer(value) if isinstance(value, torch.optim.Optimizer) else None
+            if not isinstance(optimizer, ParameterServerOptimizer):
+                out.setdefault(key, value)
+                continue
+            if id(optimizer.model) not in copies:
+                raise CheckpointError("an optimizer is saved and restored with its model: pass both, e.g. save(dir, model=model, optimizer=opt)")
+            plain = copies[id(optimizer.model)]
+            tables = [f"{name}.weight" for name in variables.placement.row_bounds]
+            names = {id(p): n for n, p in optimizer.model.named_parameters()}
+            out[key] = opt = plain_optimizer(optimizer.optimizer, names, plain, tables)
+            for name, parameter in plain.named_parameters() if pulled else ():
+                opt.state[parameter] = to_torch(opt.state[parameter], pulled[name.removesuffix(".weight") if name in tables else name][1], parameter.shape)
+        return out
+
+    def _plain_model(self, model: nn.Module, pulled: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None) -> nn.Module:
+        """A copy of ``model`` holding the servers' values (``pulled``), embedding tables in place."""
+        variables = self._prepared()
+        plain = copy_module(model)
+        for name, module in list(plain.named_modules()):
             if isinstance(module, RemoteEmbedding):
-                rows = self.variables.placement.row_bounds[name][-1]
-                _replace(copy, name, module.local_like(self.variables.pull_rows(name, torch.arange(rows))))
+                rows = variables.placement.row_bounds[name][-1]
+                if pulled is None:  # the shape is enough: a restore fills it
+                    weight = torch.empty(rows, variables.pull_rows(name, torch.arange(min(rows, 1))).shape[1])
+                else:
+                    weight = pulled[name][0]
+                _replace(plain, name, module.local_like(weight))
         with torch.no_grad():
-            pulled = self.variables.pull_dense(list(self.variables.placement.dense))
-            for name, parameter in copy.named_parameters():
-                if name in pulled:
-                    parameter.copy_(pulled[name])
-        return copy
+            for name, parameter in plain.named_parameters():
+                if pulled is not None and name in variables.placement.dense:
+                    parameter.copy_(pulled[name][0].reshape(parameter.shape))
+        return plain
+
+    def _write(self, state: dict[str, Any], options: dict[str, Any]) -> None:
+        """Every variable of the restored plain models to the servers, with the slots of their optimizers."""
+        variables = self._prepared()
+        optimizers = {id(p): opt for opt in state.values() if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]}
+        tables = {f"{name}.weight": name for name in variables.placement.row_bounds}
+        for key, plain in state.items():
+            if not isinstance(options.get(key), nn.Module):
+                continue
+            for name, parameter in plain.named_parameters():
+                variable = tables.get(name, name)
+                if variable in variables.placement.dense or variable in variables.placement.row_bounds:
+                    opt = optimizers.get(id(parameter))
+                    slots = to_server(opt.state.get(parameter, {})) if opt is not None else None
+                    push_variable(variables, variable, parameter.detach(), slots)
+
+    def _wait_for_lineage(self, checkpoint: str) -> None:
+        """A worker other than the chief waits for the chief to write a restored checkpoint to the servers."""
+        variables = self._prepared()
+        give_up = time.monotonic() + self.timeout
+        while not all(checkpoint in c.call({"op": "lineage"})[0]["lineage"] for c in variables.clients):
+            if time.monotonic() > give_up:
+                raise LoomError(
+                    f"restore: the chief did not write checkpoint {checkpoint} to the servers within {self.timeout:g}s; "
+                    "every worker restores the same checkpoint (the chief too), from the same path"
+                )
+            time.sleep(0.1)
 
     def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
         for client in clients:
@@ -274,15 +385,56 @@ class ParameterServerStrategy(Strategy):
             report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
-    def reduce(self, value: Any, op: str = "mean") -> Any:
-        return value  # asynchronous workers have no collective: each reports its own
+    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
+        """Combine a tensor or a number over every worker still in the job, met at server 0."""
+        if op not in ("sum", "mean", "max", "min", "product"):
+            raise ValueError(f"unknown reduce op {op!r}; use one of sum, mean, max, min, product")
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            tensor = tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
+        elif isinstance(value, (int, float)):
+            tensor = torch.tensor(float(value), dtype=torch.float64)
+        else:
+            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
+        result = self._collectives().run(op, tensor)
+        if isinstance(value, torch.Tensor):
+            return result.to(tensor.dtype)
+        return int(result.item()) if isinstance(value, int) and op != "mean" else result.item()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every worker's ``tensor`` concatenated along dim 0 in worker order (sizes may differ)."""
+        return self._collectives().run("gather", tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
     def barrier(self) -> None:
-        pass
+        """Wait until every worker still in the job gets here."""
+        self._collectives().run("max", torch.zeros(1))
+
+    def preempted(self) -> bool:
+        """This worker's own SIGTERM: workers that train on their own need not stop at one step,
+        and asking the others every step would tie them together."""
+        return preemption.requested()
+
+    def _collectives(self) -> Collectives:
+        if "_meet" not in self.__dict__:
+            self._meet = Collectives(ServerClient(self.servers[0], self.token), self.worker, self.num_workers, self.timeout)
+        return self._meet
 
     def shutdown(self) -> None:
         if self.variables is not None:
             self.variables.close()
+        if "_meet" in self.__dict__:
+            self._meet.client.close()
+
+
+def _mirror(state: dict[str, Any], options: dict[str, Any]) -> None:
+    """The user's optimizers hold the restored state of their parameters, as under other strategies
+    (the servers update from their own copy)."""
+    for key, value in options.items():
+        optimizer = inner_optimizer(value) if isinstance(value, torch.optim.Optimizer) else None
+        if isinstance(optimizer, ParameterServerOptimizer):
+            for mine, theirs in zip(optimizer.param_groups, state[key].param_groups):  # the tables come last
+                for parameter, plain in zip(mine["params"], theirs["params"]):
+                    optimizer.state[parameter] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[key].state[plain].items()}
 
 
 def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
