@@ -181,8 +181,8 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def step(self) -> int:
-        """Steps this worker has pushed; in synchronous training the job's round, so a restarted
-        worker resumes its loop there (synchronous workers must all run the same steps)."""
+        """Steps this worker has pushed, its predecessors' included, so a restarted worker resumes
+        its loop there; in synchronous training the job's round (all workers run the same steps)."""
         return self.variables.clock if self.variables is not None else 0
 
     def scope(self) -> Any:

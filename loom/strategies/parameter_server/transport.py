@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import grpc
 
@@ -48,9 +49,10 @@ class TLS:
     key: bytes | None = None
 
     @classmethod
-    def from_env(cls, server: bool = False) -> TLS | None:
+    def from_env(cls, server: bool = False, env: Mapping[str, str] | None = None) -> TLS | None:
         """TLS from ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY`` (file paths), or None when unset."""
-        cert, key = os.environ.get(CERT_ENV), os.environ.get(KEY_ENV)
+        env = os.environ if env is None else env
+        cert, key = env.get(CERT_ENV), env.get(KEY_ENV)
         if not cert:
             if key:
                 raise LaunchError(f"{KEY_ENV} is set but {CERT_ENV} is not: set both, to the certificate and its key")
