@@ -25,4 +25,5 @@ def test_a_half_set_tls_configuration_stops_the_job_before_it_starts(tmp_path):
     command = [*LOOM, "run", "--ps", "1", "--workers", "1", "--ps-tls-cert", str(cert), str(SCRIPTS / "ps_train.py"), "x", "1"]
     done = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
-    assert "loom: error: LOOM_PS_TLS_CERT is set but LOOM_PS_TLS_KEY is not: a parameter server needs its certificate's private key" in done.stderr
+    assert "loom: error: LOOM_PS_TLS_CERT is set but LOOM_PS_TLS_KEY is not: a parameter server needs its certificate's private key" \
+        in done.stderr

@@ -51,7 +51,9 @@ class Meetings:
         self._results: dict[int, torch.Tensor] = {}
         self.next: dict[str, int] = {}  # worker -> the number after the last it gave to
 
-    def meet(self, fields: dict[str, Any], value: torch.Tensor | None, finished: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def meet(
+        self, fields: dict[str, Any], value: torch.Tensor | None, finished: set[str]
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Take a worker's value (once), then wait up to ``wait`` seconds for the result."""
         number, worker = fields["number"], str(fields["worker"])
         with self._changed:

@@ -11,7 +11,6 @@ servers and sets the variables this strategy reads.
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 import uuid
@@ -24,10 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.comm import preemption
-from loom.errors import CheckpointError, LoomError
+from loom.errors import LoomError
 from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
-from loom.strategies.optimizer import inner_optimizer
-from loom.strategies.parameter_server.checkpoints import plain_optimizer, pull_variable, push_variable, to_server, to_torch
+from loom.strategies.parameter_server.checkpoints import mirror, plain_state, pull_all, write_back
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.partitioner import place
@@ -236,8 +234,7 @@ class ParameterServerStrategy(Strategy):
         if not self.is_chief:
             return None
         variables = self._prepared()
-        pulled = {name: pull_variable(variables, name) for name in [*variables.placement.dense, *variables.placement.row_bounds]}
-        state = self._plain(options, pulled)
+        state = plain_state(variables, options, pull_all(variables))
         state[CHECKPOINT_ID] = uuid.uuid4().hex
         path = super().save(directory, **state)
         for client in variables.clients:  # the servers' state now descends from that checkpoint
@@ -253,19 +250,19 @@ class ParameterServerStrategy(Strategy):
         state, and only its own values (the loader's position, the epoch) come from the checkpoint.
         """
         variables = self._prepared()
-        state = self._plain(options, None)
+        state = plain_state(variables, options, None)
         saved = super().restore(directory, **state)
         if saved is None:
             return None
         checkpoint = saved.pop(CHECKPOINT_ID, None) or str(saved["path"])
         if not all(checkpoint in c.call({"op": "lineage"})[0]["lineage"] for c in variables.clients):
             if self.is_chief:
-                self._write(state, options)
+                write_back(variables, state, options)
                 for client in variables.clients:
                     client.call({"op": "lineage", "add": checkpoint})
             else:
                 self._wait_for_lineage(checkpoint)
-            _mirror(state, options)
+            mirror(variables, state, options)
         pulled = variables.pull_dense(list(variables.placement.dense))
         for value in options.values():
             if isinstance(value, nn.Module):
@@ -279,64 +276,6 @@ class ParameterServerStrategy(Strategy):
         if self.variables is None:
             raise LoomError("prepare(model, optimizer) first: the variables live on the servers once prepared")
         return self.variables
-
-    def _plain(self, options: dict[str, Any], pulled: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None) -> dict[str, Any]:
-        """``options`` with each model as a plain copy (tables in place) and each optimizer as a
-        torch optimizer on it: with ``pulled`` (name -> value, slots) holding the servers' state,
-        else with the shapes only (to restore into)."""
-        variables = self._prepared()
-        copies: dict[int, nn.Module] = {}
-        out: dict[str, Any] = {}
-        for key, value in options.items():
-            if isinstance(value, nn.Module):
-                copies[id(unwrap(value))] = out[key] = self._plain_model(unwrap(value), pulled)
-        for key, value in options.items():
-            optimizer = inner_optimizer(value) if isinstance(value, torch.optim.Optimizer) else None
-            if not isinstance(optimizer, ParameterServerOptimizer):
-                out.setdefault(key, value)
-                continue
-            if id(optimizer.model) not in copies:
-                raise CheckpointError("an optimizer is saved and restored with its model: pass both, e.g. save(dir, model=model, optimizer=opt)")
-            plain = copies[id(optimizer.model)]
-            tables = [f"{name}.weight" for name in variables.placement.row_bounds]
-            names = {id(p): n for n, p in optimizer.model.named_parameters()}
-            out[key] = opt = plain_optimizer(optimizer.optimizer, names, plain, tables)
-            for name, parameter in plain.named_parameters() if pulled else ():
-                opt.state[parameter] = to_torch(opt.state[parameter], pulled[name.removesuffix(".weight") if name in tables else name][1], parameter.shape)
-        return out
-
-    def _plain_model(self, model: nn.Module, pulled: dict[str, tuple[torch.Tensor, dict[str, Any]]] | None) -> nn.Module:
-        """A copy of ``model`` holding the servers' values (``pulled``), embedding tables in place."""
-        variables = self._prepared()
-        plain = copy_module(model)
-        for name, module in list(plain.named_modules()):
-            if isinstance(module, RemoteEmbedding):
-                rows = variables.placement.row_bounds[name][-1]
-                if pulled is None:  # the shape is enough: a restore fills it
-                    weight = torch.empty(rows, variables.pull_rows(name, torch.arange(min(rows, 1))).shape[1])
-                else:
-                    weight = pulled[name][0]
-                _replace(plain, name, module.local_like(weight))
-        with torch.no_grad():
-            for name, parameter in plain.named_parameters():
-                if pulled is not None and name in variables.placement.dense:
-                    parameter.copy_(pulled[name][0].reshape(parameter.shape))
-        return plain
-
-    def _write(self, state: dict[str, Any], options: dict[str, Any]) -> None:
-        """Every variable of the restored plain models to the servers, with the slots of their optimizers."""
-        variables = self._prepared()
-        optimizers = {id(p): opt for opt in state.values() if isinstance(opt, torch.optim.Optimizer) for g in opt.param_groups for p in g["params"]}
-        tables = {f"{name}.weight": name for name in variables.placement.row_bounds}
-        for key, plain in state.items():
-            if not isinstance(options.get(key), nn.Module):
-                continue
-            for name, parameter in plain.named_parameters():
-                variable = tables.get(name, name)
-                if variable in variables.placement.dense or variable in variables.placement.row_bounds:
-                    opt = optimizers.get(id(parameter))
-                    slots = to_server(opt.state.get(parameter, {})) if opt is not None else None
-                    push_variable(variables, variable, parameter.detach(), slots)
 
     def _wait_for_lineage(self, checkpoint: str) -> None:
         """A worker other than the chief waits for the chief to write a restored checkpoint to the servers."""
@@ -426,17 +365,6 @@ class ParameterServerStrategy(Strategy):
             self._meet.client.close()
 
 
-def _mirror(state: dict[str, Any], options: dict[str, Any]) -> None:
-    """The user's optimizers hold the restored state of their parameters, as under other strategies
-    (the servers update from their own copy)."""
-    for key, value in options.items():
-        optimizer = inner_optimizer(value) if isinstance(value, torch.optim.Optimizer) else None
-        if isinstance(optimizer, ParameterServerOptimizer):
-            for mine, theirs in zip(optimizer.param_groups, state[key].param_groups):  # the tables come last
-                for parameter, plain in zip(mine["params"], theirs["params"]):
-                    optimizer.state[parameter] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state[key].state[plain].items()}
-
-
 def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
     """Median, 90th percentile and maximum of a staleness histogram."""
     total = sum(histogram.values())
@@ -477,12 +405,6 @@ def _materialize(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "reset_parameters") and not isinstance(module, RemoteEmbedding):
             module.reset_parameters()
-
-
-def copy_module(model: nn.Module) -> nn.Module:
-    """A deep copy that shares the connection to the servers instead of copying it."""
-    memo = {id(m.variables): m.variables for m in model.modules() if isinstance(m, RemoteEmbedding)}
-    return copy.deepcopy(model, memo)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
