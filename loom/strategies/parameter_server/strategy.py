@@ -272,6 +272,11 @@ class ParameterServerStrategy(Strategy):
                             parameter.copy_(pulled[name])
         return saved
 
+    def _consolidated(self, model: nn.Module) -> nn.Module:
+        """A plain copy of ``model`` holding the servers' values, tables in place (what ``save`` writes)."""
+        variables = self._prepared()
+        return plain_state(variables, {"model": model}, pull_all(variables))["model"]
+
     def _prepared(self) -> ShardedVariables:
         if self.variables is None:
             raise LoomError("prepare(model, optimizer) first: the variables live on the servers once prepared")
