@@ -10,6 +10,7 @@ large a server's share of a table.
 from __future__ import annotations
 
 import copy
+import inspect
 from typing import Any
 
 import torch
@@ -88,7 +89,8 @@ def plain_optimizer(optimizer: torch.optim.Optimizer, names: dict[int, str], pla
     params = dict(plain.named_parameters())
     groups = [{**g, "params": [params[names[id(p)]] for p in g["params"]]} for g in optimizer.param_groups]
     groups[0]["params"] += [params[n] for n in extra]
-    out = type(optimizer)(groups, **optimizer.defaults)
+    accepted = inspect.signature(type(optimizer)).parameters  # AdamW keeps a default its constructor does not take
+    out = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     lrs = [g["lr"] for g in out.param_groups]
     with torch.no_grad():
         for g in out.param_groups:

@@ -163,8 +163,8 @@ class ParameterServer:
         Slots shaped like the variable come in the same rows; other slot tensors and numbers
         (steps) come with the first chunk. ``next`` is the row to ask for next (the row count: done).
         """
+        value = self._variable(name)
         with self._locks[name]:
-            value = self._variable(name)
             slots = self.optimizer.state.get(name, {})
             rowwise = {k: _rows(v) for k, v in slots.items() if _rowwise(v, value)}
             row_bytes = sum(t[:1].numel() * t.element_size() for t in [_rows(value), *rowwise.values()])
@@ -179,10 +179,9 @@ class ParameterServer:
     def _write_chunk(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         """The inverse of ``_read_chunk``. With ``slots`` (numbers, on the first chunk) the
         variable's optimizer state is replaced by what the chunks carry; without, it is kept."""
-        name, start = fields["name"], fields["start"]
+        name, start, rows = fields["name"], fields["start"], tensors["value"]
+        value = self._variable(name)
         with self._locks[name]:
-            value = self._variable(name)
-            rows = tensors["value"]
             if rows.shape[1:] != _rows(value).shape[1:] or start + len(rows) > len(_rows(value)):
                 raise WireError(f"cannot write {list(rows.shape)} at row {start} of '{name}' {list(value.shape)}")
             _rows(value)[start : start + len(rows)] = rows.to(value.dtype)

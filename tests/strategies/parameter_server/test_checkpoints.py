@@ -126,3 +126,17 @@ def test_a_restarted_worker_resumes_with_the_servers_newer_state(fresh_servers, 
     after = server_state(restarted)
     for name, (value, slots) in newer.items():
         assert torch.equal(after[name][0], value) and torch.equal(after[name][1]["sum"], slots["sum"]), name
+
+
+def test_the_plain_optimizer_keeps_the_users_class_and_groups_with_the_tables_in_the_first():
+    from torch import nn
+
+    from loom.strategies.parameter_server.checkpoints import plain_optimizer
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Embedding(5, 2))
+    user = torch.optim.AdamW([{"params": [model[0].weight]}, {"params": [model[0].bias], "lr": 0.5}], lr=0.01, weight_decay=0.1, amsgrad=True)
+    names = {id(model[0].weight): "0.weight", id(model[0].bias): "0.bias"}
+    plain = plain_optimizer(user, names, model, ["1.weight"])
+    assert type(plain) is torch.optim.AdamW and [g["lr"] for g in plain.param_groups] == [0.01, 0.5]
+    assert plain.param_groups[0]["params"] == [model[0].weight, model[1].weight] and plain.param_groups[0]["weight_decay"] == 0.1
+    assert set(plain.state[model[1].weight]) == {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"}  # as torch keys them
