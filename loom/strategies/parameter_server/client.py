@@ -50,6 +50,11 @@ class ServerClient:
                 code = error.code()
                 if code not in RETRYABLE:
                     raise LoomError(f"parameter server {self.address} refused {fields.get('op')}: {error.details()}") from error
+                if "handshake failed" in (error.details() or "").lower():  # retrying cannot help
+                    raise LoomError(
+                        f"parameter server {self.address}: the TLS handshake failed; workers and servers need the same "
+                        "certificate (--ps-tls-cert or LOOM_PS_TLS_CERT), naming the server's host, and servers its key"
+                    ) from error
                 if time.monotonic() + wait > give_up:
                     raise ServerUnavailableError(
                         f"parameter server {self.address} did not answer for {self.patience:g}s ({code.name}); "
