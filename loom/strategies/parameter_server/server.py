@@ -9,6 +9,8 @@ staged on every server it touches, then committed: a worker that dies mid-push l
 staged shares that its launcher commits everywhere or nowhere (``settle.py``). In
 synchronous training a push is one worker's share of a round: the server sums the round's
 gradients and applies their mean once, when every worker still in the job has given its share.
+Server 0 also hosts the workers' reduce/gather/barrier (``collectives.py``), and every server
+streams a variable with its optimizer slots in pieces, for checkpoints (``checkpoints.py``).
 """
 
 from __future__ import annotations

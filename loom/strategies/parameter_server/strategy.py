@@ -5,6 +5,8 @@ and has the chief create every variable on the servers; a forward pass pulls onl
 its batch touches; ``optimizer.step()`` pushes the gradients (rows only, for tables) and
 pulls the latest dense parameters. Workers never wait for each other (unless ``staleness``
 bounds how far apart they may get): a slow or lost worker does not hold the rest back.
+``reduce``/``gather``/``barrier`` meet at server 0, so metrics cover every worker; ``save``
+and ``restore`` move the servers' values and optimizer slots as an ordinary checkpoint.
 ``loom run --ps`` (one machine) or ``--ps-hosts``/TF_CONFIG (across machines) starts the
 servers and sets the variables this strategy reads.
 """
