@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--staleness", type=int, help="keep each worker within this many steps of the slowest (with --ps; 0: lockstep)")
     run.add_argument("--sync", action="store_true", help="synchronous parameter servers: each step applies the mean of every worker's gradients")
     run.add_argument("--ps-checkpoint-dir", help="where parameter servers save their state (with --ps; default: a temporary directory)")
+    run.add_argument("--ps-tls-cert", help="parameter servers: PEM certificate for TLS, naming every server's host (or LOOM_PS_TLS_CERT)")
+    run.add_argument("--ps-tls-key", help="parameter servers: the certificate's private key, where servers run (or LOOM_PS_TLS_KEY)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync)
+        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key)
         if args.ps is not None:
             if args.ps_hosts or args.role:
                 raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")

@@ -4,8 +4,9 @@ The workers are not one torchrun group: in asynchronous training a worker that d
 stop the others. Each is a process of its own, restarted on failure up to ``--max-restarts``
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
 Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
-every machine otherwise). Each server saves its state every few seconds, so one that dies is
-restarted where it was. When a worker dies, its launcher settles its last push (applied on
+every machine otherwise); across machines, TLS (``--ps-tls-cert``/``--ps-tls-key``) keeps it
+and the gradients from travelling in clear text. Each server saves its state every few
+seconds, so one that dies is restarted where it was. When a worker dies, its launcher settles its last push (applied on
 every server or on none) before restarting it; when a worker is done for good its launcher
 tells every server, and the servers exit once all workers are done.
 """
@@ -57,12 +58,15 @@ class JobOptions:
 
     Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
     directory by default); a server or worker that dies is restarted up to ``max_restarts`` times.
+    ``tls_cert``/``tls_key``: PEM files for TLS (else ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY``).
     """
 
     max_restarts: int = 0
     staleness: int | None = None
     checkpoint_dir: str | None = None
     synchronous: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         if self.staleness is not None and self.synchronous:
@@ -89,6 +93,9 @@ def run_parameter_server_task(entry: list[str], cluster: ParameterServerCluster,
     if not token:
         raise LaunchError(f"LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; {TOKEN_HELP}")
     job = _Job(entry, list(cluster.servers), cluster.workers, token, options)
+    if "LOOM_PS_TLS_CERT" not in job.env:
+        _say("warning: no TLS: the job's token and every gradient cross the network in clear text; "
+             "give every machine --ps-tls-cert (and the servers --ps-tls-key)")  # fmt: skip
     if cluster.role == "ps":
         return job.run(servers_here=[cluster.index], workers_here=[])
     return job.run(servers_here=[], workers_here=[cluster.index])
@@ -109,6 +116,9 @@ class _Job:
             self.env["LOOM_PS_STALENESS"] = str(options.staleness)
         if options.synchronous:
             self.env["LOOM_PS_SYNC"] = "1"
+        for variable, path in (("LOOM_PS_TLS_CERT", options.tls_cert), ("LOOM_PS_TLS_KEY", options.tls_key)):
+            if path:
+                self.env[variable] = str(Path(path).resolve())
 
     def _serve(self, index: int, restarted: bool) -> subprocess.Popen:
         host, port = parse_endpoint(self.servers[index], what="parameter server address")
@@ -126,9 +136,11 @@ class _Job:
         """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
         from loom.strategies.parameter_server.client import ServerClient
         from loom.strategies.parameter_server.settle import settle
+        from loom.strategies.parameter_server.transport import TLS
         from loom.strategies.parameter_server.variables import worker_name
 
-        clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0) for address in self.servers]
+        tls = TLS.from_env(env=self.env)
+        clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0, tls=tls) for address in self.servers]
         try:
             if code != 0:
                 for line in settle(clients, worker_name(worker, pid)):
@@ -143,6 +155,9 @@ class _Job:
                 client.close()
 
     def run(self, servers_here: list[int], workers_here: list[int]) -> int:
+        from loom.strategies.parameter_server.transport import TLS
+
+        TLS.from_env(server=bool(servers_here), env=self.env)  # a half-set or unreadable TLS set-up fails here, in one line
         self.state_dir.mkdir(parents=True, exist_ok=True)
         threads = str(max(1, available_cores() // max(1, len(workers_here))))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)

@@ -28,9 +28,6 @@ PS_GAPS = {
     "accumulate_eager": "issue 11: accumulate(k) is ignored, every micro-batch pushes",
     "clipping": "issue 11: each worker clips its own gradient before the push, not the global one",
     "step_lr": "issue 11: LR schedulers never reach the servers",
-    "reduce_and_gather": "issue 11: reduce() returns its input unchanged",
-    "fit_metrics": "issue 11: fit's metrics are the chief's shard only (reduce is a no-op)",
-    "save_and_restore": "issue 11: restore() cannot load into a parameter-server model",
 }
 
 

@@ -47,6 +47,7 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
         results = wait_all(tasks, timeout=120)
     for code, _, err in results:
         assert code == 0, err[-3000:]
+        assert "warning: no TLS: the job's token and every gradient cross the network in clear text" in err
     (_, out_a, _), (_, out_b, _) = results[:2]
     assert f"parameter server 0 listening on {servers[0]}" in out_a and f"parameter server 1 listening on {servers[1]}" in out_b
     assert all("every worker has finished; exiting" in stdout for _, stdout, _ in results[:2])

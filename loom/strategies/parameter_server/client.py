@@ -14,7 +14,8 @@ import grpc
 import torch
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import CHANNEL_OPTIONS, METHOD, SERVICE, TOKEN_KEY
+from loom.strategies.parameter_server.server import METHOD, SERVICE, TOKEN_KEY
+from loom.strategies.parameter_server.transport import TLS, client_channel
 from loom.strategies.parameter_server.wire import decode, encode
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -25,14 +26,15 @@ class ServerUnavailableError(LoomError):
 
 
 class ServerClient:
-    def __init__(self, address: str, token: str, deadline: float = 30.0, patience: float = 60.0) -> None:
+    def __init__(self, address: str, token: str, deadline: float = 30.0, patience: float = 60.0, tls: TLS | None = None) -> None:
+        """``tls``: the certificate to trust; by default from ``LOOM_PS_TLS_CERT``, else none (clear text)."""
         self.address = address
         self.token = token
         self.deadline = deadline
         self.patience = patience
         self.bytes_sent = 0  # message bytes, as handed to the transport
         self.bytes_received = 0
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = client_channel(address, tls or TLS.from_env())
         self._call = self._channel.unary_unary(f"/{SERVICE}/{METHOD}")
 
     def call(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -48,6 +50,11 @@ class ServerClient:
                 code = error.code()
                 if code not in RETRYABLE:
                     raise LoomError(f"parameter server {self.address} refused {fields.get('op')}: {error.details()}") from error
+                if "handshake failed" in (error.details() or "").lower():  # retrying cannot help
+                    raise LoomError(
+                        f"parameter server {self.address}: the TLS handshake failed; workers and servers need the same "
+                        "certificate (--ps-tls-cert or LOOM_PS_TLS_CERT), naming the server's host, and servers its key"
+                    ) from error
                 if time.monotonic() + wait > give_up:
                     raise ServerUnavailableError(
                         f"parameter server {self.address} did not answer for {self.patience:g}s ({code.name}); "

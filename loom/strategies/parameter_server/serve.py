@@ -6,6 +6,7 @@ machine could read it). With ``--checkpoint FILE`` the server saves its state ev
 the pushes since the last save are lost, those before it stay applied exactly once. With
 ``--workers M`` it exits once every worker's launcher has said that worker is done for good;
 ``--restarted`` (a restart within the same run) keeps what it knew of that from its checkpoint.
+With ``LOOM_PS_TLS_CERT`` and ``LOOM_PS_TLS_KEY`` (PEM files) it accepts TLS connections only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import sys
 import threading
 import time
 
+from loom.errors import LoomError
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.transport import TLS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         print("loom: error: LOOM_PS_TOKEN is not set; a parameter server only serves its own job", file=sys.stderr)
         return 2
+    try:
+        tls = TLS.from_env(server=True)
+    except LoomError as error:
+        print(f"loom: error: {error}", file=sys.stderr)
+        return 2
     resumed = bool(args.checkpoint) and os.path.exists(args.checkpoint)
     server = ParameterServer.restore(token, args.checkpoint) if resumed else ParameterServer(token)
     if not args.restarted:
@@ -41,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    port = server.serve(args.port, args.host)
+    port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
     state = f" (resumed from {args.checkpoint}, {server.version} updates)" if resumed else ""
-    print(f"loom: parameter server {args.index} listening on {args.host}:{port}{state}", flush=True)
+    print(f"loom: parameter server {args.index} listening on {args.host}:{port}{' with TLS' if tls else ''}{state}", flush=True)
     next_save = time.monotonic() + args.checkpoint_every
     while not stop.wait(0.2):
         if args.workers and server.all_finished(args.workers):

@@ -9,6 +9,8 @@ staged on every server it touches, then committed: a worker that dies mid-push l
 staged shares that its launcher commits everywhere or nowhere (``settle.py``). In
 synchronous training a push is one worker's share of a round: the server sums the round's
 gradients and applies their mean once, when every worker still in the job has given its share.
+Server 0 also hosts the workers' reduce/gather/barrier (``collectives.py``), and every server
+streams a variable with its optimizer slots in pieces, for checkpoints (``checkpoints.py``).
 """
 
 from __future__ import annotations
@@ -24,13 +26,15 @@ from typing import Any
 import grpc
 import torch
 
+from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
 SERVICE, METHOD = "loom.ParameterServer", "Call"
 TOKEN_KEY = "loom-token"
-MESSAGE_LIMIT = 256 << 20
-CHANNEL_OPTIONS = [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.py)
+LINEAGE_KEPT = 100
 
 
 class ParameterServer:
@@ -65,6 +69,8 @@ class ParameterServer:
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
         self._server: grpc.Server | None = None
+        self.meetings = Meetings()  # reduce/gather/barrier over the workers (server 0's)
+        self.lineage: list[str] = []  # checkpoints this state was saved to or restored from, newest last
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
@@ -102,7 +108,22 @@ class ParameterServer:
             with self._seq_lock:
                 self.finished[str(fields["worker"])] = fields["code"]
             self._complete_rounds()  # a synchronous round no longer waits for that worker
+            self.meetings.settle(set(self.finished))  # nor does a collective
             return {}, {}
+        if op == "meet":
+            if fields.get("next"):
+                return {"next": self.meetings.next.get(str(fields["worker"]), 0)}, {}
+            return self.meetings.meet(fields, tensors.get("value"), set(self.finished))
+        if op == "read":
+            return self._read_chunk(fields["name"], fields["start"], fields["budget"])
+        if op == "write":
+            self._write_chunk(fields, tensors)
+            return {}, {}
+        if op == "lineage":  # with "add": record that this state is now that checkpoint's, or descends from it
+            with self._seq_lock:
+                if fields.get("add") and fields["add"] not in self.lineage:
+                    self.lineage = [*self.lineage, fields["add"]][-LINEAGE_KEPT:]
+                return {"lineage": list(self.lineage)}, {}
         if op == "stats":
             stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
             return {**stats, "progress": dict(self.progress)}, {}
@@ -132,6 +153,51 @@ class ParameterServer:
     def _read(self, name: str) -> torch.Tensor:
         with self._locks[name]:
             return self.dense[name].clone()
+
+    def _variable(self, name: str) -> torch.Tensor:
+        if name not in self._locks:
+            raise WireError(f"no variable '{name}' here")
+        return self.dense[name] if name in self.dense else self.tables[name]
+
+    def _read_chunk(self, name: str, start: int, budget: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Rows ``start:`` of a variable and of its optimizer slots, as many as fit in ``budget`` bytes.
+
+        Slots shaped like the variable come in the same rows; other slot tensors and numbers
+        (steps) come with the first chunk. ``next`` is the row to ask for next (the row count: done).
+        """
+        value = self._variable(name)
+        with self._locks[name]:
+            slots = self.optimizer.state.get(name, {})
+            rowwise = {k: _rows(v) for k, v in slots.items() if _rowwise(v, value)}
+            row_bytes = sum(t[:1].numel() * t.element_size() for t in [_rows(value), *rowwise.values()])
+            end = min(len(_rows(value)), start + max(1, budget // max(row_bytes, 1)))
+            tensors = {"value": _rows(value)[start:end].clone(), **{f"slot/{k}": v[start:end].clone() for k, v in rowwise.items()}}
+            first = {}
+            if start == 0:
+                tensors.update({f"whole/{k}": v.clone() for k, v in slots.items() if isinstance(v, torch.Tensor) and k not in rowwise})
+                first = {k: v for k, v in slots.items() if isinstance(v, (int, float))}
+            return {"next": end, "rows": len(_rows(value)), "scalars": first}, tensors
+
+    def _write_chunk(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """The inverse of ``_read_chunk``. With ``slots`` (numbers, on the first chunk) the
+        variable's optimizer state is replaced by what the chunks carry; without, it is kept."""
+        name, start, rows = fields["name"], fields["start"], tensors["value"]
+        value = self._variable(name)
+        with self._locks[name]:
+            if rows.shape[1:] != _rows(value).shape[1:] or start + len(rows) > len(_rows(value)):
+                raise WireError(f"cannot write {list(rows.shape)} at row {start} of '{name}' {list(value.shape)}")
+            _rows(value)[start : start + len(rows)] = rows.to(value.dtype)
+            if "slots" in fields:
+                self.optimizer.state[name] = {**fields["slots"]}
+            state = self.optimizer.state.get(name)
+            for key, tensor in tensors.items():
+                kind, _, slot = key.partition("/")
+                if kind == "whole" and state is not None:
+                    state[slot] = tensor.clone()
+                elif kind == "slot" and state is not None:
+                    if not _rowwise(state.get(slot), value):
+                        state[slot] = torch.zeros_like(value)
+                    _rows(state[slot])[start : start + len(tensor)] = tensor
 
     def _tick(self, worker: int, clock: int, workers: int, lease: float) -> dict[str, Any]:
         """Record a worker's progress; report the slowest live worker's (for bounded staleness).
@@ -302,6 +368,7 @@ class ParameterServer:
                 "joined": sorted(self.joined),
                 "finished": self.finished,
                 "round": self.round,
+                "lineage": self.lineage,
                 "rounds": {r: {"expected": p.expected, "workers": sorted(p.workers)} for r, p in self._rounds.items()},
             }
         finally:
@@ -335,6 +402,7 @@ class ParameterServer:
         server.staleness = {int(k): v for k, v in meta["staleness"].items()}
         server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
         server.round = meta["round"]
+        server.lineage = meta.get("lineage", [])
         for round_, info in meta["rounds"].items():
             shares = {key.split("/", 2)[2]: t for key, t in tensors.items() if key.startswith(f"round/{round_}/")}
             server._rounds[int(round_)] = _Round.restored(info["expected"], info["workers"], shares)
@@ -351,15 +419,16 @@ class ParameterServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
         return encode(reply_fields, reply_tensors)
 
-    def serve(self, port: int, host: str = "127.0.0.1", threads: int = 32) -> int:
+    def serve(self, port: int, host: str = "127.0.0.1", workers: int | None = None, tls: TLS | None = None) -> int:
         """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port.
 
-        Workers waiting for a synchronous round each hold a thread, hence many threads.
+        A worker waiting for a synchronous round or a collective holds a thread, so the pool
+        has one per worker (``workers``) and some to spare. ``tls``: accept TLS only.
         """
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=threads), options=CHANNEL_OPTIONS)
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool_size(workers)), options=channel_options())
         handler = grpc.method_handlers_generic_handler(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._call)})
         self._server.add_generic_rpc_handlers((handler,))
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        bound = listen(self._server, f"{host}:{port}", tls)
         if bound == 0:
             raise OSError(f"cannot listen on {host}:{port} (in use?)")
         self._server.start()
@@ -368,6 +437,16 @@ class ParameterServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=1).wait()
+
+
+def _rowwise(slot: Any, value: torch.Tensor) -> bool:
+    """An optimizer slot shaped like its variable (momentum, Adam's moments), streamed by rows."""
+    return isinstance(slot, torch.Tensor) and slot.shape == value.shape
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A view with rows to slice: a 0-d tensor as one row."""
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
 
 
 class _Round:

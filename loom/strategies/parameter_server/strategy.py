@@ -5,15 +5,17 @@ and has the chief create every variable on the servers; a forward pass pulls onl
 its batch touches; ``optimizer.step()`` pushes the gradients (rows only, for tables) and
 pulls the latest dense parameters. Workers never wait for each other (unless ``staleness``
 bounds how far apart they may get): a slow or lost worker does not hold the rest back.
+``reduce``/``gather``/``barrier`` meet at server 0, so metrics cover every worker; ``save``
+and ``restore`` move the servers' values and optimizer slots as an ordinary checkpoint.
 ``loom run --ps`` (one machine) or ``--ps-hosts``/TF_CONFIG (across machines) starts the
 servers and sets the variables this strategy reads.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -22,13 +24,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.strategies.base import OptimizerFactory, Strategy
+from loom.comm import preemption
+from loom.errors import LoomError
+from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
+from loom.strategies.parameter_server.checkpoints import mirror, plain_state, pull_all, write_back
 from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
+CHECKPOINT_ID = "parameter_server_checkpoint"  # a saved value naming the checkpoint, for the servers' lineage
 
 
 class RemoteEmbedding(nn.Module):
@@ -102,6 +109,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The user's optimizer's: its state is the servers' as of the last ``restore`` (they keep the live one)."""
+        return self.optimizer.state_dict()
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
@@ -170,8 +181,8 @@ class ParameterServerStrategy(Strategy):
 
     @property
     def step(self) -> int:
-        """Steps this worker has pushed; in synchronous training the job's round, so a restarted
-        worker resumes its loop there (synchronous workers must all run the same steps)."""
+        """Steps this worker has pushed, its predecessors' included, so a restarted worker resumes
+        its loop there; in synchronous training the job's round (all workers run the same steps)."""
         return self.variables.clock if self.variables is not None else 0
 
     def scope(self) -> Any:
@@ -207,37 +218,83 @@ class ParameterServerStrategy(Strategy):
             self._wait_until_created(clients)
         if self.synchronous:
             self.variables.join_rounds()
+        else:  # a restarted worker goes on from its predecessor's steps, not from 0 (staleness counts them)
+            self.variables.clock = max(int(c.call({"op": "stats"})[0]["progress"].get(str(self.worker), 0)) for c in clients)
         opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous)
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return model, opt
 
-    def save(self, directory: str | Path, *, step: int, **options: Any) -> Path | None:  # type: ignore[override]
-        """The chief pulls every variable into a plain copy of the model and saves that.
+    def save(self, directory: str | Path, **options: Any) -> Path | None:  # type: ignore[override]
+        """The chief saves an ordinary loom checkpoint; other workers return None.
 
-        The result is an ordinary loom checkpoint: it restores under any strategy (its
-        optimizer state stays on the servers). Other workers return None.
+        Each model is saved as the user built it, tables included, with the servers' values;
+        each optimizer as a torch optimizer of the user's class holding the servers' slots
+        (keyed as torch keeps them). So it restores under any strategy. Options (``step``,
+        ``keep``...) are the base class's. Variables are read in pieces, so no table is too large.
         """
         if not self.is_chief:
             return None
-        state = {name: self._consolidated(v) if isinstance(v, nn.Module) else v for name, v in options.items()}
-        state = {k: v for k, v in state.items() if not isinstance(v, ParameterServerOptimizer)}
-        return super().save(directory, step=step, **state)
+        variables = self._prepared()
+        state = plain_state(variables, options, pull_all(variables))
+        state[CHECKPOINT_ID] = uuid.uuid4().hex
+        path = super().save(directory, **state)
+        for client in variables.clients:  # the servers' state now descends from that checkpoint
+            client.call({"op": "lineage", "add": state[CHECKPOINT_ID]})
+        return path
+
+    def restore(self, directory: str | Path, **options: Any) -> dict[str, Any] | None:  # type: ignore[override]
+        """Load a checkpoint of any strategy; the chief writes its values (and, with an
+        optimizer, its slots) to the servers, and every worker then pulls them.
+
+        A checkpoint the servers' state descends from (saved during this job, which went on
+        training since) is not written back: a restarted worker resumes from the servers' newer
+        state, and only its own values (the loader's position, the epoch) come from the checkpoint.
+        """
+        variables = self._prepared()
+        state = plain_state(variables, options, None)
+        saved = super().restore(directory, **state)
+        if saved is None:
+            return None
+        checkpoint = saved.pop(CHECKPOINT_ID, None) or str(saved["path"])
+        if not all(checkpoint in c.call({"op": "lineage"})[0]["lineage"] for c in variables.clients):
+            if self.is_chief:
+                write_back(variables, state, options)
+                for client in variables.clients:
+                    client.call({"op": "lineage", "add": checkpoint})
+            else:
+                self._wait_for_lineage(checkpoint)
+            mirror(variables, state, options)
+        pulled = variables.pull_dense(list(variables.placement.dense))
+        for value in options.values():
+            if isinstance(value, nn.Module):
+                with torch.no_grad():
+                    for name, parameter in unwrap(value).named_parameters():
+                        if name in pulled:
+                            parameter.copy_(pulled[name])
+        return saved
 
     def _consolidated(self, model: nn.Module) -> nn.Module:
-        """A copy of ``model`` with the servers' current values, embedding tables in place."""
-        assert self.variables is not None
-        copy = copy_module(model)
-        for name, module in list(copy.named_modules()):
-            if isinstance(module, RemoteEmbedding):
-                rows = self.variables.placement.row_bounds[name][-1]
-                _replace(copy, name, module.local_like(self.variables.pull_rows(name, torch.arange(rows))))
-        with torch.no_grad():
-            pulled = self.variables.pull_dense(list(self.variables.placement.dense))
-            for name, parameter in copy.named_parameters():
-                if name in pulled:
-                    parameter.copy_(pulled[name])
-        return copy
+        """A plain copy of ``model`` holding the servers' values, tables in place (what ``save`` writes)."""
+        variables = self._prepared()
+        return plain_state(variables, {"model": model}, pull_all(variables))["model"]
+
+    def _prepared(self) -> ShardedVariables:
+        if self.variables is None:
+            raise LoomError("prepare(model, optimizer) first: the variables live on the servers once prepared")
+        return self.variables
+
+    def _wait_for_lineage(self, checkpoint: str) -> None:
+        """A worker other than the chief waits for the chief to write a restored checkpoint to the servers."""
+        variables = self._prepared()
+        give_up = time.monotonic() + self.timeout
+        while not all(checkpoint in c.call({"op": "lineage"})[0]["lineage"] for c in variables.clients):
+            if time.monotonic() > give_up:
+                raise LoomError(
+                    f"restore: the chief did not write checkpoint {checkpoint} to the servers within {self.timeout:g}s; "
+                    "every worker restores the same checkpoint (the chief too), from the same path"
+                )
+            time.sleep(0.1)
 
     def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
         for client in clients:
@@ -274,15 +331,45 @@ class ParameterServerStrategy(Strategy):
             report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
-    def reduce(self, value: Any, op: str = "mean") -> Any:
-        return value  # asynchronous workers have no collective: each reports its own
+    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
+        """Combine a tensor or a number over every worker still in the job, met at server 0."""
+        if op not in ("sum", "mean", "max", "min", "product"):
+            raise ValueError(f"unknown reduce op {op!r}; use one of sum, mean, max, min, product")
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            tensor = tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
+        elif isinstance(value, (int, float)):
+            tensor = torch.tensor(float(value), dtype=torch.float64)
+        else:
+            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
+        result = self._collectives().run(op, tensor)
+        if isinstance(value, torch.Tensor):
+            return result.to(tensor.dtype)
+        return int(result.item()) if isinstance(value, int) and op != "mean" else result.item()
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every worker's ``tensor`` concatenated along dim 0 in worker order (sizes may differ)."""
+        return self._collectives().run("gather", tensor.reshape(1) if tensor.dim() == 0 else tensor)
 
     def barrier(self) -> None:
-        pass
+        """Wait until every worker still in the job gets here."""
+        self._collectives().run("max", torch.zeros(1))
+
+    def preempted(self) -> bool:
+        """This worker's own SIGTERM: workers that train on their own need not stop at one step,
+        and asking the others every step would tie them together."""
+        return preemption.requested()
+
+    def _collectives(self) -> Collectives:
+        if "_meet" not in self.__dict__:
+            self._meet = Collectives(ServerClient(self.servers[0], self.token), self.worker, self.num_workers, self.timeout)
+        return self._meet
 
     def shutdown(self) -> None:
         if self.variables is not None:
             self.variables.close()
+        if "_meet" in self.__dict__:
+            self._meet.client.close()
 
 
 def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
@@ -325,12 +412,6 @@ def _materialize(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "reset_parameters") and not isinstance(module, RemoteEmbedding):
             module.reset_parameters()
-
-
-def copy_module(model: nn.Module) -> nn.Module:
-    """A deep copy that shares the connection to the servers instead of copying it."""
-    memo = {id(m.variables): m.variables for m in model.modules() if isinstance(m, RemoteEmbedding)}
-    return copy.deepcopy(model, memo)
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module) -> None:

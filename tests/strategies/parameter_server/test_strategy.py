@@ -238,3 +238,36 @@ def test_evaluation_keeps_no_pulled_rows(servers):
             model(ids)
     assert model.bag.touched == []  # rows pulled for evaluation are not held for a push
     strategy.shutdown()
+
+
+def test_a_restarted_worker_resumes_its_clock_and_does_not_stall_the_others(servers):
+    """With staleness K, a restarted worker goes on from its predecessor's step count, so the
+    others need not wait for it to replay every step it had done."""
+    k = 2
+
+    def worker(index):
+        strategy = ParameterServerStrategy(servers, token="job-token", worker=index, num_workers=2, staleness=k)
+        model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.05))
+        return strategy, model, opt
+
+    def steps(strategy, model, opt, n):
+        for ids, y in batches(n, seed=strategy.replica_id):
+            F.binary_cross_entropy_with_logits(model(ids), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    chief, lost = worker(0), worker(1)
+    for _ in range(10):  # in lockstep, so neither waits long
+        steps(*chief, 1)
+        steps(*lost, 1)
+    lost[0].shutdown()  # worker 1 dies; its successor starts
+    successor = worker(1)
+    assert successor[0].step == 10
+    steps(*successor, 1)
+    ahead = threading.Thread(target=steps, args=(*chief, k + 1))  # to step 13: within K of the successor's 11
+    ahead.start()
+    ahead.join(timeout=10)
+    assert not ahead.is_alive(), "the chief waits for the restarted worker to replay its steps"
+    assert chief[0].step == 10 + k + 1
+    for strategy, _, _ in (chief, successor):
+        strategy.shutdown()

@@ -1,0 +1,96 @@
+"""TLS between workers and servers, and a server's thread pool sized by its workers."""
+
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loom.errors import LaunchError, LoomError
+from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from loom.strategies.parameter_server.transport import CERT_ENV, KEY_ENV, TLS
+from tests.helpers import free_port
+from tests.scripts.clicks import Clicks
+
+
+def self_signed(directory, name):
+    """A certificate for 127.0.0.1 and its key, made with openssl."""
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    return cert, key
+
+
+@pytest.fixture
+def tls_server(tmp_path):
+    cert, key = self_signed(tmp_path, "job")
+    server = ParameterServer("job-token")
+    address = f"127.0.0.1:{server.serve(free_port(), tls=TLS(cert.read_bytes(), key.read_bytes()))}"
+    yield address, cert
+    server.stop()
+
+
+def test_a_job_with_tls_trains_and_a_client_without_the_certificate_is_refused(tls_server, tmp_path, monkeypatch):
+    address, cert = tls_server
+    monkeypatch.setenv(CERT_ENV, str(cert))
+    strategy = ParameterServerStrategy([address], token="job-token", worker=0, num_workers=1)
+    model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.5))
+    ids = torch.randint(0, 50, (16, 5), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(5):
+        loss = F.binary_cross_entropy_with_logits(model(ids), (ids % 7 == 0).any(1).float())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    strategy.shutdown()
+    monkeypatch.delenv(CERT_ENV)
+    stranger, _ = self_signed(tmp_path, "stranger")
+    refusals = {
+        None: f"parameter server {address} did not answer",  # clear text
+        TLS(stranger.read_bytes()): f"parameter server {address}: the TLS handshake failed; workers and servers need the same",
+    }
+    for tls, refusal in refusals.items():
+        client = ServerClient(address, "job-token", patience=1, tls=tls)
+        with pytest.raises(LoomError, match=refusal):
+            client.call({"op": "ready"})
+        client.close()
+
+
+def test_a_half_set_tls_configuration_is_one_clear_line(tmp_path):
+    with pytest.raises(LaunchError, match=f"{KEY_ENV} is set but {CERT_ENV} is not: set both"):
+        TLS.from_env(env={KEY_ENV: "k.pem"})
+    (tmp_path / "c.pem").write_text("x")
+    with pytest.raises(LaunchError, match=f"{CERT_ENV} is set but {KEY_ENV} is not: a parameter server needs"):
+        TLS.from_env(server=True, env={CERT_ENV: str(tmp_path / "c.pem")})
+    with pytest.raises(LaunchError, match=f"{CERT_ENV}=nowhere.pem: cannot read it"):
+        TLS.from_env(env={CERT_ENV: "nowhere.pem"})
+
+
+def test_workers_waiting_for_a_round_do_not_queue_the_others_calls():
+    """64 synchronous workers each hold a thread while they wait; a 65th worker's pull is not queued behind them."""
+    workers = 64
+    server = ParameterServer("job-token", {"w": torch.zeros(2)})
+    address = f"127.0.0.1:{server.serve(free_port(), workers=workers + 1)}"
+    clients = [ServerClient(address, "job-token") for _ in range(workers + 1)]
+    waiting = [threading.Thread(target=c.call, args=({"op": "round", "round": 0, "wait": 1.0},)) for c in clients[:workers]]
+    for t in waiting:
+        t.start()
+    time.sleep(0.3)  # every waiter is in its round wait
+    start = time.monotonic()
+    clients[-1].call({"op": "pull", "names": ["w"]})
+    took = time.monotonic() - start
+    for t in waiting:
+        t.join(timeout=10)
+    for c in clients:
+        c.close()
+    server.stop()
+    assert took < 0.3, f"the pull waited {took:.2f}s for a free thread"
