@@ -12,6 +12,7 @@ import torch
 import loom
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from tests.contract import cases
 from tests.contract.cases import CASES, run_case, save_reference
 from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
 
@@ -34,8 +35,19 @@ def _launched(directory: Path, name: str) -> list[dict[str, Any]]:
     return [torch.load(directory / f"results-{r}.pt", weights_only=True) for r in range(2)]
 
 
-def _parameter_servers(directory: Path) -> list[dict[str, Any]]:
-    """Two synchronous workers (threads) on two fresh in-process servers for each case."""
+def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """Two synchronous workers (threads) on two fresh in-process servers for each case.
+
+    The threads share torch's global generator: each model is seeded and built under a lock,
+    or their draws interleave and the workers start from other weights than OneDevice's.
+    """
+    build, lock = cases.mlp, threading.Lock()
+
+    def seeded_mlp() -> torch.nn.Module:
+        with lock:
+            return build()
+
+    monkeypatch.setattr(cases, "mlp", seeded_mlp)
     results: list[dict[str, Any]] = [{}, {}]
     for name in CASES:
         servers = [ParameterServer("contract") for _ in range(2)]
@@ -76,8 +88,13 @@ def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]])
             directory = root / name
             directory.mkdir()
             (directory / "reference").symlink_to(root / "reference")
-            runner = {"one_device": _one_device, "parameter_server": _parameter_servers}.get(name)
-            cache[name] = runner(directory) if runner else _launched(directory, name)
+            if name == "one_device":
+                cache[name] = _one_device(directory)
+            elif name == "parameter_server":
+                with pytest.MonkeyPatch.context() as patch:
+                    cache[name] = _parameter_servers(directory, patch)
+            else:
+                cache[name] = _launched(directory, name)
         return cache[name]
 
     return get
