@@ -22,12 +22,8 @@ TOLERANCE = 1e-5
 # the precision was applied.
 LOW_PRECISION_TOLERANCE = {"bf16_mixed": 1e-3, "fp16_mixed": 1e-4}
 PS_GAPS = {
-    "adamw_weight_decay": "issue 11: servers run AdamW as Adam, dropping weight decay",
-    "bf16_mixed": "issue 11: precision= is accepted and ignored under parameter servers",
     "fp16_mixed": "issue 11: precision= is accepted and ignored under parameter servers",
-    "accumulate_eager": "issue 11: accumulate(k) is ignored, every micro-batch pushes",
     "clipping": "issue 11: each worker clips its own gradient before the push, not the global one",
-    "step_lr": "issue 11: LR schedulers never reach the servers",
     "reduce_and_gather": "issue 11: reduce() returns its input unchanged",
     "fit_metrics": "issue 11: fit's metrics are the chief's shard only (reduce is a no-op)",
     "save_and_restore": "issue 11: restore() cannot load into a parameter-server model",
