@@ -22,8 +22,8 @@ TOLERANCE = 1e-5
 # the precision was applied.
 LOW_PRECISION_TOLERANCE = {"bf16_mixed": 1e-3, "fp16_mixed": 1e-4}
 PS_GAPS = {
-    "fp16_mixed": "issue 11: precision= is accepted and ignored under parameter servers",
-    "clipping": "issue 11: each worker clips its own gradient before the push, not the global one",
+    "fp16_mixed": "refused: synchronous parameter servers cannot skip an overflowed fp16 step on every worker at once",
+    "clipping": "refused: no worker holds the global gradient, so its norm cannot be clipped",
     "reduce_and_gather": "issue 11: reduce() returns its input unchanged",
     "fit_metrics": "issue 11: fit's metrics are the chief's shard only (reduce is a no-op)",
     "save_and_restore": "issue 11: restore() cannot load into a parameter-server model",
