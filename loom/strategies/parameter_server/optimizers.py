@@ -51,6 +51,7 @@ class ServerOptimizer:
             raise ValueError(f"unknown server optimizer {self.kind!r}; choose one of: {', '.join(RULES)}")
         self.state: dict[str, dict[str, Any]] = {}
         self._torch: dict[str, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
+        self._grads: dict[str, torch.Tensor] = {}  # exact tables: a dense gradient buffer each
 
     def hyper(self, key: str, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         """The hyper-parameters of ``key``'s group: as pushed (``groups``), else as created."""
@@ -86,8 +87,13 @@ class ServerOptimizer:
         """
         hyper = self.hyper(key, groups)
         if not self.lazy_rows and _moves_untouched_rows(self.kind, hyper):
-            dense = torch.zeros_like(table).index_add_(0, rows, grads.to(table.dtype))
-            self.apply_dense(key, table, dense, groups)
+            dense = self._grads.get(key)
+            if dense is None or dense.shape != table.shape:  # kept: a fresh 64 MB of zeros each push costs more than the step
+                dense = self._grads[key] = torch.zeros_like(table)
+            try:
+                self.apply_dense(key, table, dense.index_add_(0, rows, grads.to(table.dtype)), groups)
+            finally:
+                dense.zero_()  # whole: torch may step in the gradient itself (SGD's nesterov does)
             return
         unique, inverse = torch.unique(rows, return_inverse=True)
         summed = torch.zeros(len(unique), *grads.shape[1:], dtype=table.dtype).index_add_(0, inverse, grads.to(table.dtype))
