@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.strategies.base import OptimizerFactory, Strategy
+from loom.strategies.base import OptimizerFactory, Strategy, unwrap
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
@@ -141,17 +141,24 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
             self.model.zero_grad(set_to_none=set_to_none)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self._should_step():
-            return
+            return None
         scaler = self.precision.scaler if self.precision is not None else None
+        if closure is not None and scaler is not None:
+            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
+        loss = None
+        if closure is not None:  # as torch's optimizers do: the closure computes the gradients first
+            with torch.enable_grad():
+                loss = closure()
         if scaler is None:
             self._push()
-            return
+            return loss
         rows = [pulled for m in self.remote.values() for _, pulled in m.touched]
         scaler.step(_Gradients([self.dense[n] for n in self.trained] + rows, self._push))
         for m in self.remote.values():
             m.touched = []  # a skipped step's rows are not pushed with the next one
+        return loss
 
     def _push(self) -> None:
         dense = {n: g for n in self.trained if (g := self.dense[n].grad) is not None}
@@ -319,7 +326,7 @@ class ParameterServerStrategy(Strategy):
     def _consolidated(self, model: nn.Module) -> nn.Module:
         """A copy of ``model`` with the servers' current values, embedding tables in place."""
         assert self.variables is not None
-        copy = copy_module(model)
+        copy = copy_module(unwrap(model))  # names as the servers know them, without the precision's wrapper
         for name, module in list(copy.named_modules()):
             if isinstance(module, RemoteEmbedding):
                 rows = self.variables.placement.row_bounds[name][-1]

@@ -125,6 +125,41 @@ def test_parameter_groups_keep_their_own_learning_rates_and_the_table_its_group(
     strategy.shutdown()
 
 
+def test_a_closure_computes_the_gradients_the_step_pushes(servers):  # noqa: F811
+    local, remote = Clicks(), Clicks()
+    local_opt = OPTIMIZERS["adam"](local.parameters())
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    model, opt = strategy.prepare(remote, OPTIMIZERS["adam"])
+    for ids, y in hot_batches(3):
+        for m, o in ((local, local_opt), (model, opt)):
+
+            def closure(m=m, o=o):
+                o.zero_grad()
+                loss = F.binary_cross_entropy_with_logits(m(ids), y)
+                loss.backward()
+                return loss
+
+            assert o.step(closure) is not None
+    dense = {n: p.detach() for n, p in model.mlp.named_parameters()}
+    assert _difference(strategy.variables.pull_rows("bag", torch.arange(50)), dense, local) <= TOLERANCE
+    strategy.shutdown()
+
+
+def test_a_bf16_model_saves_the_servers_values(servers, tmp_path):  # noqa: F811
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1, precision="bf16-mixed")
+    model, opt = strategy.prepare(Clicks(), OPTIMIZERS["sgd_momentum"])
+    for ids, y in hot_batches(2):
+        F.binary_cross_entropy_with_logits(model(ids), y).backward()
+        opt.step()
+        opt.zero_grad()
+    saved = strategy.save(tmp_path, step=2, model=model)
+    fresh = Clicks()
+    loom.OneDeviceStrategy().restore(saved.parent, model=fresh)
+    assert torch.equal(fresh.mlp[0].weight, loom.unwrap(model).mlp[0].weight)
+    assert torch.equal(fresh.bag.weight, strategy.variables.pull_rows("bag", torch.arange(50)))
+    strategy.shutdown()
+
+
 def test_embedding_options_are_kept(servers):  # noqa: F811
     """A frozen table stays as it was; padding_idx gets no gradient and a bag leaves it out."""
 
