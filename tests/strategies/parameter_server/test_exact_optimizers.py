@@ -52,7 +52,8 @@ def _two_synchronous_workers(addresses, make_opt, steps=6, built=None, **options
             opt.step()
             opt.zero_grad()
             scheduler.step()
-        ends[worker] = (strategy.variables.pull_rows("bag", torch.arange(50)), {n: p.detach().clone() for n, p in model.mlp.named_parameters()})
+        dense = {n: p.detach().clone() for n, p in model.mlp.named_parameters()}
+        ends[worker] = (strategy.variables.pull_rows("bag", torch.arange(50)), dense)
         strategy.shutdown()
 
     _run_workers(work)
@@ -92,7 +93,8 @@ def test_lazy_rows_are_torchs_sparse_adam_on_the_table(servers):  # noqa: F811
     sparse = nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
     sparse.weight.data.copy_(local.bag.weight.detach())
     local.bag = sparse
-    table_opt, dense_opt = torch.optim.SparseAdam([local.bag.weight], lr=0.05, eps=1e-12), torch.optim.Adam(local.mlp.parameters(), lr=0.05, eps=1e-12)
+    table_opt = torch.optim.SparseAdam([local.bag.weight], lr=0.05, eps=1e-12)
+    dense_opt = torch.optim.Adam(local.mlp.parameters(), lr=0.05, eps=1e-12)
     schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in (table_opt, dense_opt)]
     for ids, y in hot_batches(6):
         F.binary_cross_entropy_with_logits(local(ids), y).backward()
@@ -109,7 +111,8 @@ def test_lazy_rows_are_torchs_sparse_adam_on_the_table(servers):  # noqa: F811
 
 def test_parameter_groups_keep_their_own_learning_rates_and_the_table_its_group(servers):  # noqa: F811
     def grouped(model):
-        return torch.optim.SGD([{"params": [model.bag.weight], "lr": 0.5}, {"params": model.mlp.parameters()}], lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)  # fmt: skip
+        groups = [{"params": [model.bag.weight], "lr": 0.5}, {"params": model.mlp.parameters()}]
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
 
     local, remote = Clicks(), Clicks()
     local_opt, remote_opt = grouped(local), grouped(remote)  # built before prepare: the table is in group 0

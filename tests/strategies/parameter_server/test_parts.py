@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.optimizers import RUNTIME_OPTIONS, ServerOptimizer
 from loom.strategies.parameter_server.partitioner import place, row_bounds
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
@@ -53,8 +53,8 @@ RULES = {  # server rule -> torch's optimizer with the same hyper-parameters
 def _pair(rule, lazy_rows=False):
     kind, hyper = RULES[rule]
     reference_class = getattr(torch.optim, kind)
-    groups = [{**reference_class([torch.zeros(1)], **hyper).defaults, **hyper}]
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k not in ("foreach", "fused", "capturable", "differentiable")} for g in groups]
+    group = {**reference_class([torch.zeros(1)], **hyper).defaults, **hyper}  # as a worker sends it
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k not in RUNTIME_OPTIONS}]
     return ServerOptimizer(kind, groups, lazy_rows=lazy_rows), lambda params: reference_class(params, **hyper), groups
 
 
