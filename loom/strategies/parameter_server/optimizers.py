@@ -50,7 +50,7 @@ class ServerOptimizer:
         if self.kind not in RULES:
             raise ValueError(f"unknown server optimizer {self.kind!r}; choose one of: {', '.join(RULES)}")
         self.state: dict[str, dict[str, Any]] = {}
-        self._torch: dict[str, tuple[torch.Tensor, torch.optim.Optimizer]] = {}
+        self._torch: dict[str, torch.optim.Optimizer] = {}  # one per variable, built on its first step
         self._grads: dict[str, torch.Tensor] = {}  # exact tables: a dense gradient buffer each
 
     def hyper(self, key: str, groups: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -61,14 +61,12 @@ class ServerOptimizer:
     def apply_dense(self, key: str, param: torch.Tensor, grad: torch.Tensor, groups: list[dict[str, Any]] | None = None) -> None:
         """One torch step of all of ``param``, in place."""
         hyper = self.hyper(key, groups)
-        cached = self._torch.get(key)
-        if cached is None or cached[0] is not param:
-            optimizer = _build(self.kind, param, hyper)
-            slots = self.state.get(key, {})
-            if any(isinstance(v, torch.Tensor) for v in slots.values()):  # restored: torch takes the saved slots
-                optimizer.state[param] = {**_tensor_slots(slots), "step": torch.tensor(float(slots["step"]))}
-            cached = self._torch[key] = (param, optimizer)
-        optimizer = cached[1]
+        optimizer = self._torch.get(key)
+        if optimizer is None or optimizer.param_groups[0]["params"][0] is not param:
+            optimizer = self._torch[key] = _build(self.kind, param, hyper)
+        slots = self.state.setdefault(key, {"step": 0})
+        if _tensor_slots(slots):  # ``state`` is the truth (a checkpoint may have replaced it): torch steps its slots
+            optimizer.state[param] = {**_tensor_slots(slots), "step": torch.tensor(float(slots["step"]))}
         optimizer.param_groups[0].update(hyper)
         param.grad = grad
         try:

@@ -129,3 +129,19 @@ def test_lazy_rows_step_each_row_as_torch_steps_it_alone_when_pushed(rule):
 def test_unknown_optimizer_is_named():
     with pytest.raises(ValueError, match="unknown server optimizer 'RMSprop'; choose one of: SGD, Adagrad, Adam, AdamW"):
         ServerOptimizer("RMSprop")
+
+
+def test_slots_written_into_the_state_are_the_ones_the_next_step_uses():
+    """A checkpoint that restores a variable's slots replaces ``state``; torch's optimizer follows it."""
+    server, build, _ = _pair("momentum")
+    ours, theirs = torch.zeros(4), torch.nn.Parameter(torch.zeros(4))
+    reference = build([theirs])
+    server.apply_dense("w", ours, torch.ones(4))
+    server.state["w"] = {"step": 7, "momentum_buffer": torch.full((4,), 3.0)}
+    reference.state[theirs] = {"momentum_buffer": torch.full((4,), 3.0)}
+    server.apply_dense("w", ours, torch.ones(4))
+    theirs.data.copy_(torch.full((4,), -0.1))  # where the first step left it
+    theirs.grad = torch.ones(4)
+    reference.step()
+    torch.testing.assert_close(ours, theirs.detach())
+    assert server.state["w"]["step"] == 8
