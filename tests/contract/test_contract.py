@@ -1,8 +1,8 @@
 """The same behaviours under every strategy, each compared with OneDeviceStrategy on the global batch.
 
 Every strategy runs every case once (``conftest.py``); a failing case fails only its own tests.
-Parameter servers' known gaps are expected failures that name their issue (strict: a fix
-that makes one pass shows up here).
+What a strategy cannot run exactly it refuses in one line, and ``REFUSED`` checks that line
+(README's strategy table lists the same).
 """
 
 from __future__ import annotations
@@ -21,25 +21,32 @@ TOLERANCE = 1e-5
 # one replica: bf16 1.8e-4 (as far as bf16 is from fp32), fp16 1.0e-5; the forward's dtype shows
 # the precision was applied.
 LOW_PRECISION_TOLERANCE = {"bf16_mixed": 1e-3, "fp16_mixed": 1e-4}
-PS_GAPS = {
-    "adamw_weight_decay": "issue 11: servers run AdamW as Adam, dropping weight decay",
-    "bf16_mixed": "issue 11: precision= is accepted and ignored under parameter servers",
-    "fp16_mixed": "issue 11: precision= is accepted and ignored under parameter servers",
-    "accumulate_eager": "issue 11: accumulate(k) is ignored, every micro-batch pushes",
-    "clipping": "issue 11: each worker clips its own gradient before the push, not the global one",
-    "step_lr": "issue 11: LR schedulers never reach the servers",
+# What a strategy refuses rather than approximates: (case) -> the start of its one-line error.
+REFUSED = {
+    "parameter_server": {
+        "fp16_mixed": "ValueError: synchronous parameter servers cannot skip an fp16 step that overflowed",
+        "clipping": "ValueError: ParameterServerStrategy cannot clip the global gradient norm",
+    },
 }
 
 
 def params(cases: list[str]) -> list[Any]:
-    """(strategy, case) pairs, parameter servers' known gaps marked as expected failures."""
-    out = []
-    for strategy in STRATEGIES:
-        for case in cases:
-            gap = PS_GAPS.get(case) if strategy == "parameter_server" else None
-            marks = [pytest.mark.xfail(reason=gap, strict=True)] if gap else []
-            out.append(pytest.param(strategy, case, marks=marks, id=f"{strategy}-{case}"))
-    return out
+    """(strategy, case) pairs for every case a strategy runs (its refusals are tested apart)."""
+    return [
+        pytest.param(strategy, case, id=f"{strategy}-{case}")
+        for strategy in STRATEGIES
+        for case in cases
+        if case not in REFUSED.get(strategy, {})
+    ]
+
+
+@pytest.mark.parametrize(
+    "strategy, case", [pytest.param(s, c, id=f"{s}-{c}") for s, refused in REFUSED.items() for c in refused]
+)
+def test_a_refused_feature_is_refused_in_one_line(contract_results, strategy, case):
+    for got in contract_results(strategy):
+        error = got[case].get("error", "")
+        assert error.startswith(REFUSED[strategy][case]) and "\n" not in error, error
 
 
 def result(contract_results, strategy: str, case: str) -> list[dict[str, Any]]:

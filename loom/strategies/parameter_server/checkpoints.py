@@ -22,8 +22,6 @@ from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.parameter_server import transport
 from loom.strategies.parameter_server.variables import ShardedVariables
 
-TORCH_KEYS = {"momentum": "momentum_buffer"}  # a server slot -> the key torch's optimizer keeps it under
-SERVER_KEYS = {v: k for k, v in TORCH_KEYS.items()}
 Slots = dict[str, Any]
 Pulled = dict[str, tuple[torch.Tensor, Slots]]  # variable -> (value, slots)
 
@@ -109,11 +107,10 @@ def to_torch(state: dict[str, Any], slots: Slots) -> dict[str, Any]:
     server's ``slots`` in it; as it is where the server has none yet (never updated)."""
     out = dict(state)
     for key, value in slots.items():
-        torch_key = TORCH_KEYS.get(key, key)
-        if torch_key in state and isinstance(state[torch_key], torch.Tensor):
-            out[torch_key] = torch.as_tensor(value, dtype=state[torch_key].dtype).reshape(state[torch_key].shape)
-        elif torch_key in state:
-            out[torch_key] = value
+        if key in state and isinstance(state[key], torch.Tensor):  # the servers keep torch's slot names
+            out[key] = torch.as_tensor(value, dtype=state[key].dtype).reshape(state[key].shape)
+        elif key in state:
+            out[key] = value
     return out
 
 
@@ -124,7 +121,7 @@ def to_server(state: dict[str, Any]) -> Slots:
         if key == "step":
             slots["step"] = int(value.item()) if isinstance(value, torch.Tensor) else int(value)
         elif isinstance(value, torch.Tensor):
-            slots[SERVER_KEYS.get(key, key)] = value.detach()
+            slots[key] = value.detach()
     return slots
 
 

@@ -145,6 +145,8 @@ class ParameterServer:
             for name, spec in generate.items():
                 generator = torch.Generator().manual_seed(spec["seed"])
                 self.tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
+                if spec.get("padding_row") is not None:  # nn.Embedding(padding_idx=...) starts that row at zero
+                    self.tables[name][spec["padding_row"]] = 0.0
                 self._locks[name] = threading.Lock()
             self.optimizer = ServerOptimizer(**optimizer)
             self.created = True
@@ -243,7 +245,7 @@ class ParameterServer:
         if sync is None:
             if not self._first_time(worker, seq):
                 return False
-            self._apply(tensors)
+            self._apply(tensors, fields.get("hyper"))
         else:
             with self._round_lock:  # recorded and kept together: a checkpoint has both or neither
                 if not self._first_time(worker, seq):
@@ -251,7 +253,7 @@ class ParameterServer:
                 if seq > self.round:
                     for lost in [r for r in self._rounds if r < seq]:  # restarted from an older checkpoint:
                         del self._rounds[lost]  # the workers moved past these rounds, their other shares are gone
-                    self._rounds.setdefault(seq, _Round(sync)).add(str(index), tensors)
+                    self._rounds.setdefault(seq, _Round(sync)).add(str(index), tensors, fields.get("hyper"))
             self._complete_rounds()
         with self._seq_lock:
             self.applied[worker] = self.applied.get(worker, 0) + 1
@@ -273,8 +275,9 @@ class ParameterServer:
             self._last_seq[worker] = seq
             return True
 
-    def _apply(self, tensors: dict[str, torch.Tensor]) -> None:
-        """One update from gradients (``grad/``) and row gradients (``rowids/``, ``rowgrad/``)."""
+    def _apply(self, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
+        """One update from gradients (``grad/``) and row gradients (``rowids/``, ``rowgrad/``),
+        with the parameter groups' hyper-parameters as the worker had them for this step."""
         names = sorted({key.split("/", 1)[1] for key in tensors})
         held = [self._locks[name] for name in names]  # sorted order: no two pushes deadlock
         for lock in held:
@@ -283,9 +286,9 @@ class ParameterServer:
             for key, value in tensors.items():
                 kind, name = key.split("/", 1)
                 if kind == "grad":
-                    self.optimizer.apply_dense(name, self.dense[name], value)
+                    self.optimizer.apply_dense(name, self.dense[name], value, hyper)
                 elif kind == "rowgrad":
-                    self.optimizer.apply_rows(name, self.tables[name], tensors[f"rowids/{name}"], value)
+                    self.optimizer.apply_rows(name, self.tables[name], tensors[f"rowids/{name}"], value, hyper)
         finally:
             for lock in held:
                 lock.release()
@@ -301,7 +304,7 @@ class ParameterServer:
                 if len(pending.workers) < pending.expected - len(gone):
                     return
                 del self._rounds[round_]
-                self._apply(pending.mean())
+                self._apply(pending.mean(), pending.hyper)
                 with self._seq_lock:
                     self.version += 1
                     self.round = round_
@@ -457,6 +460,7 @@ class _Round:
         self.workers: set[str] = set()
         self.dense: dict[str, torch.Tensor] = {}
         self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.hyper: list[dict[str, Any]] | None = None  # the round's hyper-parameters, as its shares carry them
 
     @classmethod
     def restored(cls, expected: int, workers: list[str], sums: dict[str, torch.Tensor]) -> _Round:
@@ -466,10 +470,11 @@ class _Round:
         pending.workers = set(workers)
         return pending
 
-    def add(self, worker: str, tensors: dict[str, torch.Tensor]) -> None:
+    def add(self, worker: str, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
         if worker in self.workers:
             return
         self.workers.add(worker)
+        self.hyper = hyper or self.hyper
         for key, value in tensors.items():
             kind, name = key.split("/", 1)
             if kind == "grad":

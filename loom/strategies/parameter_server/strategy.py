@@ -30,39 +30,61 @@ from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
 from loom.strategies.parameter_server.checkpoints import mirror, plain_state, pull_all, write_back
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.collectives import Collectives
+from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
+from loom.strategies.precision import Precision
+from loom.strategies.step import LossFn, TrainStep
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
 CHECKPOINT_ID = "parameter_server_checkpoint"  # a saved value naming the checkpoint, for the servers' lineage
+NO_CLIPPING = (
+    "ParameterServerStrategy cannot clip the global gradient norm (each worker holds only its share of the "
+    "gradient, and the servers apply it shard by shard); drop max_grad_norm / clip_gradients, or use MirroredStrategy"
+)
 
 
 class RemoteEmbedding(nn.Module):
-    """An embedding table that lives on the servers; forward pulls only the rows it needs."""
+    """An embedding table that lives on the servers; forward pulls only the rows it needs.
 
-    def __init__(self, name: str, local: nn.Embedding | nn.EmbeddingBag, variables: ShardedVariables) -> None:
+    It keeps the table's options: ``padding_idx`` (that row gets no gradient, and a bag leaves
+    it out), ``scale_grad_by_freq``, a bag's ``mode`` and ``include_last_offset``; and whether
+    it trains (``trained``: ``requires_grad``, and in the optimizer the user built).
+    """
+
+    def __init__(self, name: str, local: nn.Embedding | nn.EmbeddingBag, variables: ShardedVariables, trained: bool = True) -> None:
         super().__init__()
         self.name = name
         self.bag = isinstance(local, nn.EmbeddingBag)
         self.mode = getattr(local, "mode", None)
+        self.padding_idx = local.padding_idx
+        self.scale_grad_by_freq = local.scale_grad_by_freq
+        self.include_last_offset = getattr(local, "include_last_offset", False)
+        self.trained = trained and local.weight.requires_grad
         self.variables = variables  # not a submodule: a copy of the model shares it
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
 
     def local_like(self, weight: torch.Tensor) -> nn.Module:
         """The plain module this one replaced, holding ``weight`` (for a checkpoint)."""
+        options = {"freeze": not self.trained, "padding_idx": self.padding_idx, "scale_grad_by_freq": self.scale_grad_by_freq}
         if self.bag:
-            return nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode=self.mode)
-        return nn.Embedding.from_pretrained(weight, freeze=False)
+            return nn.EmbeddingBag.from_pretrained(weight, mode=self.mode, include_last_offset=self.include_last_offset, **options)
+        return nn.Embedding.from_pretrained(weight, **options)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         unique, local_ids = torch.unique(ids, return_inverse=True)
         rows = self.variables.pull_rows(self.name, unique)
-        if torch.is_grad_enabled():  # kept for the push; evaluation keeps nothing
+        if torch.is_grad_enabled() and self.trained:  # kept for the push; evaluation keeps nothing
             self.touched.append((unique, rows.requires_grad_()))
+        padding = None  # the padding row's place among the pulled rows, if the batch has it
+        if self.padding_idx is not None and bool((hit := unique == self.padding_idx).any()):
+            padding = int(hit.nonzero()[0])
         if self.bag:
-            return F.embedding_bag(local_ids, rows, offsets, mode=self.mode, per_sample_weights=per_sample_weights)
-        return F.embedding(local_ids, rows)
+            return F.embedding_bag(local_ids, rows, offsets, scale_grad_by_freq=self.scale_grad_by_freq, mode=self.mode,
+                                   per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset,
+                                   padding_idx=padding)  # fmt: skip
+        return F.embedding(local_ids, rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
 
     def row_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's row ids and their gradients, summed over forward passes."""
@@ -76,8 +98,11 @@ class RemoteEmbedding(nn.Module):
 class ParameterServerOptimizer(torch.optim.Optimizer):
     """``step()`` pushes this worker's gradients and pulls the newest dense parameters.
 
-    The rule (SGD, momentum, Adagrad, Adam) runs on the servers, taken from the optimizer the
-    user built, so the training loop does not change.
+    The servers run the user's own optimizer (see ``optimizers.py``), each parameter group with
+    the hyper-parameters it has at this step, so the training loop and its LR scheduler do not
+    change. Inside ``strategy.accumulate(k)`` only the last micro-batch's ``step`` pushes (and
+    ``zero_grad`` clears), and fp16 gradients, the pulled rows' included, go through the
+    strategy's gradient scaler, which skips a push whose gradients overflowed.
     """
 
     def __init__(
@@ -88,6 +113,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         workers: int,
         staleness: int | None,
         synchronous: bool = False,
+        trained: Iterable[str] | None = None,
+        precision: Precision | None = None,
+        should_step: Any = lambda: True,
+        lazy_rows: bool = False,
     ) -> None:
         self.optimizer = inner
         self.model = model
@@ -95,8 +124,12 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.workers = workers
         self.staleness = staleness
         self.synchronous = synchronous
+        self.precision = precision
+        self.lazy_rows = lazy_rows
+        self._should_step = should_step
         self.dense = {n: p for n, p in model.named_parameters()}
-        self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding)}
+        self.trained = list(self.dense) if trained is None else [n for n in trained if n in self.dense]  # in the optimizer
+        self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding) and m.trained}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -106,28 +139,62 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.model.zero_grad(set_to_none=set_to_none)
+        if self._should_step():
+            self.model.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
         """The user's optimizer's: its state is the servers' as of the last ``restore`` (they keep the live one)."""
         return self.optimizer.state_dict()
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        dense = {n: p.grad for n, p in self.dense.items() if p.grad is not None}
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if not self._should_step():
+            return None
+        scaler = self.precision.scaler if self.precision is not None else None
+        if closure is not None and scaler is not None:
+            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
+        loss = None
+        if closure is not None:  # as torch's optimizers do: the closure computes the gradients first
+            with torch.enable_grad():
+                loss = closure()
+        if scaler is None:
+            self._push()
+            return loss
+        rows = [pulled for m in self.remote.values() for _, pulled in m.touched]
+        scaler.step(_Gradients([self.dense[n] for n in self.trained] + rows, self._push))
+        for m in self.remote.values():
+            m.touched = []  # a skipped step's rows are not pushed with the next one
+        return loss
+
+    def _push(self) -> None:
+        dense = {n: g for n in self.trained if (g := self.dense[n].grad) is not None}
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
+        options = {"hyper": group_hyper(self.optimizer), "every_shard": not self.lazy_rows}
         if self.synchronous or self.staleness is not None:
-            self.variables.push(dense, rows, sync=self.workers if self.synchronous else None)
+            self.variables.push(dense, rows, sync=self.workers if self.synchronous else None, **options)
             if self.synchronous:
                 self.variables.wait_for_round()
             else:
                 self.variables.wait_for_peers(self.workers, self.staleness)
             pulled = self.variables.pull_dense(list(self.dense))
         else:  # asynchronous: the newest parameters come back with the commit
-            pulled = self.variables.push(dense, rows, then_pull=list(self.dense))
+            pulled = self.variables.push(dense, rows, then_pull=list(self.dense), **options)
         for name, value in pulled.items():
             self.dense[name].copy_(value)
+
+
+class _Gradients:
+    """What the fp16 gradient scaler unscales and checks for overflow: the dense gradients and
+    the pulled rows'; its ``step`` is the push."""
+
+    def __init__(self, params: list[torch.Tensor], push: Any) -> None:
+        self.param_groups = [{"params": params}]
+        self.step = push
 
 
 class ParameterServerStrategy(Strategy):
@@ -143,12 +210,17 @@ class ParameterServerStrategy(Strategy):
         synchronous: bool | None = None,
         precision: str = "32",
         timeout: float | None = None,
+        lazy_rows: bool = False,
     ) -> None:
         """``staleness``: None for fully asynchronous workers; K to keep every worker within K
         steps of the slowest live one; 0 for lockstep (each step sees every worker's last one,
         each worker's gradient applied on its own). ``synchronous``: each step the servers apply
-        the mean of every worker's gradients once, so N workers train as one on the global batch."""
+        the mean of every worker's gradients once, so N workers train as one on the global batch.
+        ``lazy_rows``: a step updates only the table rows it pushed, and their optimizer slots
+        (as TensorFlow's LazyAdam): far less work per step on a large table, but momentum, Adam
+        and weight decay no longer move the other rows as torch's dense step does (the default)."""
         super().__init__(precision, timeout)
+        self.lazy_rows = lazy_rows
         servers = servers or [a for a in os.environ.get("LOOM_PS_SERVERS", "").split(",") if a]
         if not servers:
             raise ValueError("ParameterServerStrategy needs the servers' addresses: servers=[...] or LOOM_PS_SERVERS")
@@ -163,6 +235,11 @@ class ParameterServerStrategy(Strategy):
         self.synchronous = os.environ.get("LOOM_PS_SYNC") == "1" if synchronous is None else synchronous
         if self.synchronous and self.staleness is not None:
             raise ValueError("synchronous training has no staleness: pass one of staleness=K and synchronous=True")
+        if self.synchronous and precision == "16-mixed":
+            raise ValueError(
+                "synchronous parameter servers cannot skip an fp16 step that overflowed on one worker on every worker at "
+                "once; use precision='bf16-mixed', or asynchronous training"
+            )
         self.variables: ShardedVariables | None = None
         self.rate_window = RATE_WINDOW
         self._samples: deque[tuple[float, dict[str, int]]] = deque([(time.monotonic(), {})])  # (when, steps per worker)
@@ -195,7 +272,20 @@ class ParameterServerStrategy(Strategy):
         return torch.device("meta")
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Swap the tables for remote ones, have the chief create every variable on the servers with
+        the optimizer's rule, and wrap the model in the strategy's precision.
+
+        A table follows the parameter group its weight is in, with an optimizer built before;
+        with a factory (which never sees the tables) it follows the first group.
+        """
         tables = {n: m for n, m in model.named_modules() if isinstance(m, EMBEDDINGS)}
+        for name, module in tables.items():
+            if module.max_norm is not None:
+                raise ValueError(
+                    f"embedding '{name}' has max_norm={module.max_norm}, which rewrites the table's rows during the "
+                    "forward pass; the table lives on the parameter servers: drop max_norm, or use MirroredStrategy"
+                )
+        names_before = {id(p): n for n, p in model.named_parameters()}  # the tables' weights included
         table_params = {f"{n}.weight" for n in tables}
         shapes = {n: p for n, p in model.named_parameters() if n not in table_params}
         placement = place(
@@ -206,24 +296,34 @@ class ParameterServerStrategy(Strategy):
         clients = [ServerClient(a, self.token) for a in self.servers]
         self.variables = ShardedVariables(clients, placement, worker_name(self.worker, os.getpid()), self.worker)
         initial = {n: m.weight.detach() for n, m in tables.items()}
+        prebuilt = isinstance(optimizer, torch.optim.Optimizer)
+        groups = _groups_by_name(optimizer, names_before) if prebuilt else {}
         for name, module in tables.items():
-            _replace(model, name, RemoteEmbedding(name, module, self.variables))
+            trained = not prebuilt or f"{name}.weight" in groups
+            _replace(model, name, RemoteEmbedding(name, module, self.variables, trained))
         _materialize(model)  # built under scope(): the dense layers get memory now, the tables never
-        inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(model.parameters())
+        inner = optimizer if prebuilt else optimizer(model.parameters())
+        if not prebuilt:
+            groups = _groups_by_name(inner, {id(p): n for n, p in model.named_parameters()})
+        assign = {n: i for n, i in groups.items() if n.removesuffix(".weight") not in tables}
+        assign.update({n: groups.get(f"{n}.weight", 0) for n in tables})
         if self.is_chief:
             dense = {n: p.detach() for n, p in model.named_parameters()}
-            self.variables.create(dense, {n: t for n, t in initial.items() if not t.is_meta}, server_rule(inner),
-                                  {n: (t.shape[1], self.worker) for n, t in initial.items() if t.is_meta})  # fmt: skip
+            self.variables.create(dense, {n: t for n, t in initial.items() if not t.is_meta}, server_rule(inner, assign, self.lazy_rows),
+                                  {n: (t.shape[1], self.worker, tables[n].padding_idx) for n, t in initial.items() if t.is_meta})  # fmt: skip
         else:
             self._wait_until_created(clients)
         if self.synchronous:
             self.variables.join_rounds()
         else:  # a restarted worker goes on from its predecessor's steps, not from 0 (staleness counts them)
             self.variables.clock = max(int(c.call({"op": "stats"})[0]["progress"].get(str(self.worker), 0)) for c in clients)
-        opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous)
+        self._optimizers += 1  # its steps go through the precision's scaler
+        opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous,
+                                       trained=groups, precision=self.precision, should_step=self._at_step_boundary,
+                                       lazy_rows=self.lazy_rows or isinstance(inner, torch.optim.SparseAdam))  # fmt: skip
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
-        return model, opt
+        return self.precision.wrap(model), opt
 
     def save(self, directory: str | Path, **options: Any) -> Path | None:  # type: ignore[override]
         """The chief saves an ordinary loom checkpoint; other workers return None.
@@ -301,8 +401,21 @@ class ParameterServerStrategy(Strategy):
             while not client.call({"op": "ready"})[0]["ready"]:
                 time.sleep(0.1)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
+    def train_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+    ) -> TrainStep:
+        if max_grad_norm is not None:
+            raise ValueError(NO_CLIPPING)
+        return super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        raise ValueError(NO_CLIPPING)
 
     def job_report(self) -> dict[str, float]:
         """The job as the servers see it: global step, updates/s, staleness, each worker's steps/s.
@@ -388,20 +501,49 @@ def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
     return out
 
 
-def server_rule(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The server-side update rule equal to a torch optimizer the user built."""
-    group = optimizer.param_groups[0]
-    if isinstance(optimizer, torch.optim.SGD):
-        if group.get("momentum"):
-            return {"name": "momentum", "lr": group["lr"], "momentum": group["momentum"]}
-        return {"name": "sgd", "lr": group["lr"]}
-    if isinstance(optimizer, torch.optim.Adagrad):
-        return {"name": "adagrad", "lr": group["lr"], "eps": group["eps"], "initial_accumulator": group["initial_accumulator_value"]}
-    if isinstance(optimizer, (torch.optim.Adam, torch.optim.SparseAdam)):
-        return {"name": "adam", "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"]}
-    raise ValueError(
-        f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (with or without momentum), Adagrad or Adam"
-    )
+def server_rule(optimizer: torch.optim.Optimizer, assign: dict[str, int] | None = None, lazy_rows: bool = False) -> dict[str, Any]:
+    """The servers' copy of a torch optimizer the user built: its class, every parameter group's
+    hyper-parameters, and which group each variable (by name) is in.
+
+    torch's SparseAdam is Adam with lazy rows, which is what it does on a table.
+    """
+    if isinstance(optimizer, torch.optim.SparseAdam):
+        return {"kind": "Adam", "groups": group_hyper(optimizer), "assign": assign or {}, "lazy_rows": True}
+    kind = next((k for k, cls in RULES.items() if type(optimizer) is cls), None)
+    if kind is None:
+        raise ValueError(
+            f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (any momentum, dampening, nesterov, "
+            "weight decay), Adagrad, Adam or AdamW (amsgrad, weight decay), or torch's SparseAdam"
+        )
+    return {"kind": kind, "groups": group_hyper(optimizer), "assign": assign or {}, "lazy_rows": lazy_rows}
+
+
+def group_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every parameter group's hyper-parameters as they are now (a scheduler changes them), as JSON."""
+    keys = [k for k in optimizer.defaults if k not in RUNTIME_OPTIONS]
+    return [{k: _plain(group[k]) for k in keys if k in group} for group in optimizer.param_groups]
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
+    """Parameter name -> the index of the optimizer's group holding it."""
+    groups = {}
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    "the optimizer holds parameters that are not the model's; build it on this model's "
+                    "parameters, or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
+                )
+            groups[names[id(param)]] = index
+    return groups
 
 
 def _materialize(model: nn.Module) -> None:

@@ -52,11 +52,12 @@ class ShardedVariables:
         dense: dict[str, torch.Tensor],
         tables: dict[str, torch.Tensor],
         optimizer: dict[str, Any],
-        generated: dict[str, tuple[int, int]] | None = None,
+        generated: dict[str, tuple[int, int, int | None]] | None = None,
     ) -> None:
         """The chief's first act: every server gets its variables' initial values and the update rule.
 
-        ``generated`` tables (name -> (dim, seed)) are not sent: each server draws its rows itself.
+        ``generated`` tables (name -> (dim, seed, padding_idx)) are not sent: each server draws
+        its rows itself.
         """
         requests = {}
         for s in range(len(self.clients)):
@@ -65,9 +66,11 @@ class ShardedVariables:
                 lo, hi = self.placement.row_bounds[name][s : s + 2]
                 tensors[f"table/{name}"] = table[lo:hi]
             draws = {}
-            for name, (dim, seed) in (generated or {}).items():
+            for name, (dim, seed, padding) in (generated or {}).items():
                 lo, hi = self.placement.row_bounds[name][s : s + 2]
                 draws[name] = {"rows": hi - lo, "dim": dim, "seed": seed * 1_000 + s}
+                if padding is not None and lo <= padding < hi:
+                    draws[name]["padding_row"] = padding - lo
             requests[s] = ({"op": "create", "optimizer": optimizer, "generate": draws}, tensors)
         self._fan_out(requests)
 
@@ -102,10 +105,15 @@ class ShardedVariables:
         row_grads: dict[str, tuple[torch.Tensor, torch.Tensor]],
         sync: int | None = None,
         then_pull: list[str] | None = None,
+        hyper: list[dict[str, Any]] | None = None,
+        every_shard: bool = False,
     ) -> dict[str, torch.Tensor]:
         """One step's gradients: each server gets its share, tagged so that a retry applies once;
         staged everywhere first, then committed everywhere. ``then_pull``: dense parameters
-        to read once the push is applied, in the commit's round trip (returned).
+        to read once the push is applied, in the commit's round trip (returned). ``hyper``:
+        each parameter group's hyper-parameters for this step (what the scheduler set).
+        ``every_shard``: every server holding rows of a pushed table gets its share, even with
+        no rows in it, so that its rows untouched this step are stepped too (exact semantics).
 
         With ``sync`` (the number of workers) the push is this worker's share of round
         ``clock``, and every server gets one, even an empty one, so that it can count the round.
@@ -114,7 +122,7 @@ class ShardedVariables:
 
         def share(server: int) -> dict[str, torch.Tensor]:
             if server not in requests:
-                fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock, "sync": sync}
+                fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock, "sync": sync, "hyper": hyper}
                 requests[server] = ({**fields, "based_on": self.versions.get(server)}, {})
             return requests[server][1]
 
@@ -126,7 +134,7 @@ class ShardedVariables:
             share(self.placement.dense[name])[f"grad/{name}"] = grad
         for name, (ids, grads) in row_grads.items():
             for s, (positions, local) in enumerate(self.placement.rows_by_server(name, ids)):
-                if len(local):
+                if len(local) or every_shard:
                     share(s)[f"rowids/{name}"] = local
                     share(s)[f"rowgrad/{name}"] = grads[positions]
         parts = sorted(requests)

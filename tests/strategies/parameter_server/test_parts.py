@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.optimizers import RUNTIME_OPTIONS, ServerOptimizer
 from loom.strategies.parameter_server.partitioner import place, row_bounds
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
@@ -38,34 +38,65 @@ def test_wire_round_trip_and_garbage():
         decode(encode({}, {"x": torch.ones(4)})[:-1])
 
 
-def _torch_optimizer(name, params):
-    return {
-        "sgd": lambda: torch.optim.SGD(params, lr=0.1),
-        "momentum": lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        "adagrad": lambda: torch.optim.Adagrad(params, lr=0.1, eps=1e-8),
-        "adam": lambda: torch.optim.Adam(params, lr=0.1),
-    }[name]()
+RULES = {  # server rule -> torch's optimizer with the same hyper-parameters
+    "sgd": ("SGD", {"lr": 0.1}),
+    "momentum": ("SGD", {"lr": 0.1, "momentum": 0.9}),
+    "nesterov_decay": ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.05}),
+    "adagrad_decay": ("Adagrad", {"lr": 0.1, "lr_decay": 0.01, "weight_decay": 0.05, "initial_accumulator_value": 0.1}),
+    "adagrad_decay_only": ("Adagrad", {"lr": 0.1, "weight_decay": 0.05, "initial_accumulator_value": 0.1}),
+    "adam": ("Adam", {"lr": 0.1}),
+    "adam_amsgrad_maximize": ("Adam", {"lr": 0.1, "amsgrad": True, "maximize": True, "weight_decay": 0.05}),
+    "adamw": ("AdamW", {"lr": 0.1, "weight_decay": 0.1}),
+}
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad", "adam"])
-def test_dense_updates_match_torch(name):
+def _pair(rule, lazy_rows=False):
+    kind, hyper = RULES[rule]
+    reference_class = getattr(torch.optim, kind)
+    group = {**reference_class([torch.zeros(1)], **hyper).defaults, **hyper}  # as a worker sends it
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k not in RUNTIME_OPTIONS}]
+    return ServerOptimizer(kind, groups, lazy_rows=lazy_rows), lambda params: reference_class(params, **hyper), groups
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_dense_steps_are_torchs_own_with_the_lr_each_push_carries(rule):
     torch.manual_seed(0)
     ours, theirs = torch.randn(5, 3), torch.nn.Parameter(torch.randn(5, 3))
     ours.copy_(theirs.detach())
-    server, reference = ServerOptimizer(name, lr=0.1), _torch_optimizer(name, [theirs])
-    for _ in range(5):
+    server, build, groups = _pair(rule)
+    reference = build([theirs])
+    for step in range(5):
+        lr = 0.1 * 0.5**step  # as a scheduler sets it
+        reference.param_groups[0]["lr"] = lr
         grad = torch.randn(5, 3)
-        server.apply_dense("w", ours, grad)
+        server.apply_dense("w", ours, grad, [{**groups[0], "lr": lr}])
         theirs.grad = grad.clone()
         reference.step()
     torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-6)
+    assert server.state["w"]["step"] == 5
 
 
-def test_sparse_adam_matches_torch_sparse_adam_and_leaves_other_rows():
+@pytest.mark.parametrize("rule", list(RULES))
+def test_exact_row_steps_equal_torchs_dense_step_of_the_whole_table(rule):
+    """Rows a push does not name still move where torch moves them (momentum, Adam, weight decay)."""
+    torch.manual_seed(1)
+    table = torch.randn(8, 3)
+    reference = torch.nn.Parameter(table.clone())
+    server, build, _ = _pair(rule)
+    dense = build([reference])
+    for rows in ([0, 2, 2, 5], [1, 2], [0, 6, 6], []):  # repeats are summed; an empty push still steps the table
+        rows_t, grads = torch.tensor(rows, dtype=torch.long), torch.randn(len(rows), 3)
+        server.apply_rows("emb", table, rows_t, grads)
+        reference.grad = torch.zeros(8, 3).index_add_(0, rows_t, grads)
+        dense.step()
+    torch.testing.assert_close(table, reference.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_lazy_adam_matches_torch_sparse_adam_and_leaves_other_rows():
     torch.manual_seed(0)
     table = torch.randn(8, 3)
     reference = torch.nn.Parameter(table.clone())
-    server, sparse_adam = ServerOptimizer("adam", lr=0.1), torch.optim.SparseAdam([reference], lr=0.1)
+    server, sparse_adam = _pair("adam", lazy_rows=True)[0], torch.optim.SparseAdam([reference], lr=0.1)
     untouched = table[7].clone()
     for rows in ([0, 2, 2, 5], [1, 2], [0, 6, 6]):  # repeats are summed, as a sparse gradient coalesces
         rows_t, grads = torch.tensor(rows), torch.randn(len(rows), 3)
@@ -76,19 +107,41 @@ def test_sparse_adam_matches_torch_sparse_adam_and_leaves_other_rows():
     assert torch.equal(table[7], untouched)
 
 
-@pytest.mark.parametrize("name", ["sgd", "momentum", "adagrad"])
-def test_sparse_updates_equal_dense_updates_on_the_rows_touched_every_step(name):
-    torch.manual_seed(1)
-    sparse_table = torch.randn(4, 2)
-    dense_table = sparse_table.clone()
-    sparse, dense = ServerOptimizer(name, lr=0.1), ServerOptimizer(name, lr=0.1)
-    for _ in range(4):
-        grads = torch.randn(4, 2)
-        sparse.apply_rows("emb", sparse_table, torch.arange(4), grads)
-        dense.apply_dense("emb", dense_table, grads)
-    torch.testing.assert_close(sparse_table, dense_table)
+@pytest.mark.parametrize("rule", ["momentum", "nesterov_decay", "adagrad_decay_only"])
+def test_lazy_rows_step_each_row_as_torch_steps_it_alone_when_pushed(rule):
+    """lazy_rows: a pushed row takes torch's step on its own slots; a row not pushed does not move."""
+    torch.manual_seed(2)
+    table = torch.randn(6, 3)
+    server, build, _ = _pair(rule, lazy_rows=True)
+    alone = [torch.nn.Parameter(row.clone()) for row in table]
+    optimizers = [build([row]) for row in alone]
+    for rows in ([0, 2, 2], [2, 3], [0, 3, 4]):
+        rows_t, grads = torch.tensor(rows), torch.randn(len(rows), 3)
+        server.apply_rows("emb", table, rows_t, grads)
+        summed = torch.zeros(6, 3).index_add_(0, rows_t, grads)
+        for row in set(rows):
+            alone[row].grad = summed[row].clone()
+            optimizers[row].step()
+    torch.testing.assert_close(table, torch.stack([row.detach() for row in alone]), rtol=1e-6, atol=1e-6)
+    assert torch.equal(table[5], alone[5].detach())  # never pushed: where it started
 
 
 def test_unknown_optimizer_is_named():
-    with pytest.raises(ValueError, match="unknown server optimizer 'rmsprop'; choose one of: sgd, momentum, adagrad, adam"):
-        ServerOptimizer("rmsprop")
+    with pytest.raises(ValueError, match="unknown server optimizer 'RMSprop'; choose one of: SGD, Adagrad, Adam, AdamW"):
+        ServerOptimizer("RMSprop")
+
+
+def test_slots_written_into_the_state_are_the_ones_the_next_step_uses():
+    """A checkpoint that restores a variable's slots replaces ``state``; torch's optimizer follows it."""
+    server, build, _ = _pair("momentum")
+    ours, theirs = torch.zeros(4), torch.nn.Parameter(torch.zeros(4))
+    reference = build([theirs])
+    server.apply_dense("w", ours, torch.ones(4))
+    server.state["w"] = {"step": 7, "momentum_buffer": torch.full((4,), 3.0)}
+    reference.state[theirs] = {"momentum_buffer": torch.full((4,), 3.0)}
+    server.apply_dense("w", ours, torch.ones(4))
+    theirs.data.copy_(torch.full((4,), -0.1))  # where the first step left it
+    theirs.grad = torch.ones(4)
+    reference.step()
+    torch.testing.assert_close(ours, theirs.detach())
+    assert server.state["w"]["step"] == 8

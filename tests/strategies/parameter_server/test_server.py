@@ -25,7 +25,7 @@ def push(target, fields, tensors):
 
 @pytest.fixture
 def served():
-    server = ParameterServer("secret", {"w": torch.ones(2, 3)}, {"emb": torch.zeros(5, 4)}, ServerOptimizer("sgd", lr=0.5))
+    server = ParameterServer("secret", {"w": torch.ones(2, 3)}, {"emb": torch.zeros(5, 4)}, ServerOptimizer("SGD", [{"lr": 0.5}]))
     port = server.serve(free_port())
     client = ServerClient(f"127.0.0.1:{port}", "secret", patience=2)
     yield server, client, port
@@ -149,7 +149,7 @@ def test_a_server_restarted_mid_round_gets_the_lost_shares_again(served, tmp_pat
 
 @pytest.fixture
 def two_servers():
-    servers = [ParameterServer("secret", {"w": torch.ones(2)}, {}, ServerOptimizer("sgd", lr=1.0)) for _ in range(2)]
+    servers = [ParameterServer("secret", {"w": torch.ones(2)}, {}, ServerOptimizer("SGD", [{"lr": 1.0}])) for _ in range(2)]
     clients = [ServerClient(f"127.0.0.1:{s.serve(free_port())}", "secret", patience=2) for s in servers]
     yield servers, clients
     for server, client in zip(servers, clients):

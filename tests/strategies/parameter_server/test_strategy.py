@@ -40,11 +40,8 @@ def servers():
 
 @pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)])
 def test_one_worker_on_two_servers_equals_local_training(servers, make_opt):
-    """For SGD and Adagrad the servers' lazy row updates equal dense ones (untouched rows stay put).
-
-    Adam and momentum differ by design on rows a batch did not touch (lazy, as SparseAdam); their
-    rules are compared with torch's in test_parts.py.
-    """
+    """For SGD and Adagrad the servers step only the pushed rows, which equals torch's dense step
+    (untouched rows stay put); momentum and Adam: test_exact_optimizers.py."""
     local = Clicks()
     local_opt = make_opt(local.parameters())
     strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
