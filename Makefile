@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PYTHON) examples/mirrored_digits.py
 
+# Three test processes on two cores: most tests wait on launched jobs; tests sharing one job share a process (xdist_group).
 test: $(STAMP)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
 
 bench: $(STAMP)
 	-$(MAKE) bench-tf

@@ -18,7 +18,7 @@ import loom
 import loom.data as ld
 from loom.checkpoint import committed
 from loom.errors import CheckpointError, CheckpointMismatchError
-from tests.helpers import ROOT, SCRIPTS, job_env, loom_run, start_nodes, wait_all
+from tests.helpers import ROOT, SCRIPTS, job_env, loom_run
 
 
 def _trained(seed=0):
@@ -140,25 +140,22 @@ def test_unsupported_values_are_refused_with_the_reason(tmp_path):
         strategy.save(tmp_path, step=1, model=model, extra=object())
 
 
-def test_portability_matrix_mirrored_4_to_one_device_mirrored_2_and_3_multi_worker(tmp_path):
-    """Saved under MirroredStrategy with 4 replicas; every strategy that exists restores it exactly.
+def test_portability_matrix_mirrored_4_to_one_device_and_mirrored_3(tmp_path):
+    """Saved under MirroredStrategy with 4 replicas, restored exactly on 3 (uneven resharding) and on one.
 
-    A new strategy joins this matrix with one more restore below.
+    Every strategy's save and restore against OneDevice is in tests/contract/.
     """
     directory, reference = str(tmp_path / "ckpt"), str(tmp_path / "reference.pt")
     script = str(SCRIPTS / "checkpoint_job.py")
     saved = loom_run(["run", "--nproc", "4", script, "save", directory, reference])
     assert saved.returncode == 0, saved.stderr[-2000:]
-    for nproc in (2, 3):
+    for nproc in (3,):
         run = loom_run(["run", "--nproc", str(nproc), script, "restore", directory, reference])
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.count("restored identical state") == nproc
     alone = subprocess.run([sys.executable, script, "restore", directory, reference], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=60)
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert "replica 0 of 1: restored identical state" in alone.stdout
-    nodes = wait_all(start_nodes(2, 1, [script, "restore", directory, reference]))  # MultiWorkerMirrored, 2 nodes
-    assert [code for code, _, _ in nodes] == [0, 0], [err[-1500:] for _, _, err in nodes]
-    assert "MultiWorkerMirroredStrategy" in "".join(out for _, out, _ in nodes)
 
     inspect = loom_run(["checkpoint", "inspect", directory])
     assert inspect.returncode == 0, inspect.stderr

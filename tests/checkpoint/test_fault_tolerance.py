@@ -11,6 +11,8 @@ import torch
 from loom.checkpoint import committed
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
 
+pytestmark = pytest.mark.xdist_group("fault_tolerance")  # its tests share one launched job: one test process runs them all
+
 SCRIPT = str(SCRIPTS / "fit_resumable.py")
 
 

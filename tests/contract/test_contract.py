@@ -16,6 +16,8 @@ import loom
 from tests.contract.cases import mlp, sgd
 from tests.contract.conftest import STRATEGIES
 
+pytestmark = pytest.mark.xdist_group("contract")  # its tests share one launched job: one test process runs them all
+
 TOLERANCE = 1e-5
 # Low precision rounds each replica's matmuls over its own slice of the batch. Measured apart from
 # one replica: bf16 1.8e-4 (as far as bf16 is from fp32), fp16 1.0e-5; the forward's dtype shows

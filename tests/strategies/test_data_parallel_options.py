@@ -12,6 +12,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 import loom
 from tests.helpers import run_ranks
 
+pytestmark = pytest.mark.xdist_group("data_parallel_options")  # its tests share one launched job: one test process runs them all
+
 
 def _with_unused_head() -> nn.Module:
     class Net(nn.Module):
