@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._dynamo.eval_frame import OptimizedModule  # what torch.compile(module) returns
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -56,6 +56,15 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         return get_optimizer_state_dict(model, optimizer)
     finally:
         lent.grad = None
+
+
+def compiled_module_type() -> type[nn.Module] | None:
+    """The class ``torch.compile(module)`` returns, once torch.compile has been used in this process.
+
+    Importing ``torch._dynamo`` costs 1.3 s of CPU, in every process; a module compiled here
+    has already imported it, so loom looks only.
+    """
+    return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
 def default_store() -> dist.Store:

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.checkpoint import Checkpointer
-from loom.compat import OptimizedModule
+from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.strategies.optimizer import StrategyOptimizer
@@ -385,7 +385,7 @@ class Strategy(ABC):
         )
 
 
-WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule, OptimizedModule)
+WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
 
 
 SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value
@@ -411,6 +411,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     submodule named ``module``. Checkpoint keys come from the unwrapped module, so they do
     not depend on compilation, precision or DDP.
     """
-    while isinstance(model, WRAPPERS):
-        model = model._orig_mod if isinstance(model, OptimizedModule) else model.module
+    compiled = compiled_module_type()
+    while isinstance(model, WRAPPERS) or (compiled is not None and isinstance(model, compiled)):
+        model = model.module if isinstance(model, WRAPPERS) else model._orig_mod
     return model
