@@ -283,6 +283,11 @@ def _tar_index(path: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
     return samples
 
 
+# NumPy parses an .npy header with ast.literal_eval, which CPython before 3.11.8 cannot run in
+# two threads at once ("AST constructor recursion depth mismatch"): thread workers take turns.
+_NPY_HEADER = threading.Lock()
+
+
 def _decode_member(ext: str, data: bytes) -> Any:
     kind = ext.rsplit(".", 1)[-1].lower()  # "seg.png" decodes as png
     if "." + kind in IMAGE_EXTENSIONS:
@@ -294,7 +299,8 @@ def _decode_member(ext: str, data: bytes) -> Any:
     if kind == "json":
         return json.loads(data)
     if kind == "npy":
-        return _tensor(np.load(io.BytesIO(data)))
+        with _NPY_HEADER:
+            return _tensor(np.load(io.BytesIO(data)))
     return data
 
 
@@ -313,7 +319,7 @@ def _tensor(array: Any) -> torch.Tensor:
 
 
 def _load_npy(path: str) -> np.ndarray:
-    with _reading(path, "not a readable .npy file"):
+    with _reading(path, "not a readable .npy file"), _NPY_HEADER:
         array = np.lib.format.open_memmap(path, mode="r")
     if array.ndim == 0:
         raise DataFileError(path, "does not hold an array with rows")
@@ -321,7 +327,7 @@ def _load_npy(path: str) -> np.ndarray:
 
 
 def _load_npz(path: str, key: str | None) -> dict[str, np.ndarray]:
-    with _reading(path, "not a readable .npz file", zipfile.BadZipFile), np.load(path) as archive:
+    with _reading(path, "not a readable .npz file", zipfile.BadZipFile), _NPY_HEADER, np.load(path) as archive:
         if key is not None and key not in archive.files:
             raise DataFileError(path, f"has no array {key!r} (it holds: {', '.join(archive.files)})")
         arrays = {name: archive[name] for name in ([key] if key is not None else archive.files)}
