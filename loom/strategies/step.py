@@ -48,6 +48,8 @@ class TrainStep:
             raise ValueError(f"train_step(accumulate=...) takes a positive number of micro-batches, got {accumulate!r}")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        if max_grad_norm is not None:  # a strategy that cannot clip says so now, not after the first backward
+            strategy._clip_grad_norm([], max_grad_norm)
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError(f"scheduler must be an LR scheduler (with .step()), not {type(scheduler).__name__}")
         self.strategy = strategy
@@ -87,21 +89,15 @@ class TrainStep:
         return loss_sum
 
     def _update(self) -> None:
-        precision = self.strategy.precision
-        if self.max_grad_norm is not None:
-            precision.unscale(self.optimizer)
-            self.grad_norm = self.strategy._clip_grad_norm(_parameters(self.optimizer), self.max_grad_norm)
+        if self.max_grad_norm is not None:  # the eager loop's clipping: unscale once, clip after the sync
+            self.grad_norm = self.strategy.clip_gradients(self.optimizer, self.max_grad_norm)
         if isinstance(self.optimizer, StrategyOptimizer):
             self.optimizer.step()  # through the precision's scaler
         else:  # one the user built: the scaler must still unscale it (fp16 losses were scaled)
-            precision.step(self.optimizer)
+            self.strategy.precision.step(self.optimizer)
         if self.scheduler is not None:
             self.scheduler.step()
         inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
-
-
-def _parameters(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
 
 
 def batch_len(batch: Any) -> int:

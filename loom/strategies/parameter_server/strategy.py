@@ -33,7 +33,6 @@ from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.precision import Precision
-from loom.strategies.step import LossFn, TrainStep
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -401,21 +400,8 @@ class ParameterServerStrategy(Strategy):
             while not client.call({"op": "ready"})[0]["ready"]:
                 time.sleep(0.1)
 
-    def train_step(
-        self,
-        model: nn.Module,
-        loss_fn: LossFn,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any = None,
-        max_grad_norm: float | None = None,
-        accumulate: int = 1,
-    ) -> TrainStep:
-        if max_grad_norm is not None:
-            raise ValueError(NO_CLIPPING)
-        return super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
-
-    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
-        raise ValueError(NO_CLIPPING)
+    def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        raise ValueError(NO_CLIPPING)  # train_step(max_grad_norm=) and clip_gradients both come here
 
     def job_report(self) -> dict[str, float]:
         """The job as the servers see it: global step, updates/s, staleness, each worker's steps/s.
