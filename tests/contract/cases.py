@@ -69,14 +69,19 @@ def adamw_weight_decay(make: Make) -> dict[str, Any]:
     return _train(make, adamw)
 
 
+def _eager(strategy: loom.Strategy, model: nn.Module, opt: torch.optim.Optimizer, batch: int = GLOBAL_BATCH) -> None:
+    """The eager loop over the data, ``backward`` then ``step``, in batches of ``batch``."""
+    for x, y in strategy.distribute(data(), batch_size=batch, shuffle=False):
+        strategy.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
 def eager_loop(make: Make) -> dict[str, Any]:
     """The eager loop gives what ``train_step`` gives (compared with ``sgd_momentum``)."""
     strategy = make()
     model, opt = strategy.prepare(mlp(), sgd)
-    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
-        strategy.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        opt.zero_grad()
+    _eager(strategy, model, opt)
     return {"weights": weights(model)}
 
 
@@ -98,10 +103,7 @@ def accumulate_eager(make: Make) -> dict[str, Any]:
     strategy = make()
     model, opt = strategy.prepare(mlp(), sgd)
     with strategy.accumulate(2):
-        for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH // 2, shuffle=False):
-            strategy.backward(F.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
+        _eager(strategy, model, opt, GLOBAL_BATCH // 2)
     return {"weights": weights(model)}
 
 
@@ -136,10 +138,7 @@ def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, 
     """Save a trained model and optimizer under this strategy; restore OneDevice's checkpoint into it."""
     strategy = make()
     model, opt = strategy.prepare(mlp(), sgd)
-    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
-        strategy.backward(F.cross_entropy(model(x), y))
-        opt.step()
-        opt.zero_grad()
+    _eager(strategy, model, opt)
     strategy.save(directory, step=STEPS, model=model, optimizer=opt)
     fresh, fresh_opt = strategy.prepare(mlp(), sgd)
     strategy.restore(reference, model=fresh, optimizer=fresh_opt)
