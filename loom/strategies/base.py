@@ -155,9 +155,6 @@ class Strategy(ABC):
         if self._accumulation_steps > 1:  # DDP decides in the forward pass whether its backward syncs
             self._set_gradient_sync((self._micro_steps + 1) % self._accumulation_steps == 0)
 
-    def _at_step_boundary(self) -> bool:
-        return self._micro_steps % self._accumulation_steps == 0
-
     def _may_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a prepared optimizer's step/zero_grad acts now; one optimizer per accumulate() cycle."""
         if self._accumulation_steps > 1:
@@ -169,13 +166,13 @@ class Strategy(ABC):
                     "backward (a GAN's) from the next micro-batch: use one accumulate() per optimizer's loop, or "
                     "strategy.train_step(..., accumulate=k) for each model"
                 )
-        return self._at_step_boundary()
+        return self.sync_gradients
 
     @property
     def sync_gradients(self) -> bool:
         """Whether the last ``backward`` ended an accumulation cycle: its gradients are synced
         and ``optimizer.step()`` updates. Step an LR scheduler, clip or log only when it is True."""
-        return self._at_step_boundary()
+        return self._micro_steps % self._accumulation_steps == 0
 
     def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
         """Clip the gradients of ``optimizer``'s parameters to a total norm of ``max_norm``, after their sync.

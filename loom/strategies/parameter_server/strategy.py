@@ -318,7 +318,7 @@ class ParameterServerStrategy(Strategy):
             self.variables.clock = max(int(c.call({"op": "stats"})[0]["progress"].get(str(self.worker), 0)) for c in clients)
         self._optimizers += 1  # its steps go through the precision's scaler
         opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous,
-                                       trained=groups, precision=self.precision, should_step=self._at_step_boundary,
+                                       trained=groups, precision=self.precision, should_step=lambda: self.sync_gradients,
                                        lazy_rows=self.lazy_rows or isinstance(inner, torch.optim.SparseAdam))  # fmt: skip
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
