@@ -18,6 +18,8 @@ from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
 STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server"]
+# Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
+ON_TWO_LOCAL_PROCESSES = ["mirrored"]
 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:
@@ -25,14 +27,16 @@ def _one_device(directory: Path) -> list[dict[str, Any]]:
     return [{name: run_case(name, make, directory) for name in CASES}]
 
 
-def _launched(directory: Path, name: str) -> list[dict[str, Any]]:
-    if name == "mirrored":
-        done = loom_run(["run", "--nproc", "2", "--timeout", "60", SCRIPT, "--strategy", name, "--dir", str(directory)], timeout=240)
-        assert done.returncode == 0, done.stderr[-3000:]
-    else:  # two nodes of one process each
-        for code, _, err in wait_all(start_nodes(2, 1, [SCRIPT, "--strategy", name, "--dir", str(directory)]), timeout=240):
+def _launched(root: Path, names: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """Every strategy in ``names`` in one job; ``root/<name>`` holds each one's results."""
+    job = [SCRIPT, "--strategy", ",".join(names), "--dir", str(root)]
+    if names == ["multi_worker_mirrored"]:  # two nodes of one process each
+        for code, _, err in wait_all(start_nodes(2, 1, job), timeout=240):
             assert code == 0, err[-3000:]
-    return [torch.load(directory / f"results-{r}.pt", weights_only=True) for r in range(2)]
+    else:
+        done = loom_run(["run", "--nproc", "2", "--timeout", "60", *job], timeout=120 + 120 * len(names))
+        assert done.returncode == 0, done.stderr[-3000:]
+    return {name: [torch.load(root / name / f"results-{r}.pt", weights_only=True) for r in range(2)] for name in names}
 
 
 def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
@@ -83,18 +87,24 @@ def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]])
     root, _ = reference_checkpoint
     cache: dict[str, list[dict[str, Any]]] = {}
 
+    def directory(name: str) -> Path:
+        path = root / name
+        path.mkdir()
+        (path / "reference").symlink_to(root / "reference")
+        return path
+
     def get(name: str) -> list[dict[str, Any]]:
         if name not in cache:
-            directory = root / name
-            directory.mkdir()
-            (directory / "reference").symlink_to(root / "reference")
             if name == "one_device":
-                cache[name] = _one_device(directory)
+                cache[name] = _one_device(directory(name))
             elif name == "parameter_server":
                 with pytest.MonkeyPatch.context() as patch:
-                    cache[name] = _parameter_servers(directory, patch)
+                    cache[name] = _parameter_servers(directory(name), patch)
             else:
-                cache[name] = _launched(directory, name)
+                together = ON_TWO_LOCAL_PROCESSES if name in ON_TWO_LOCAL_PROCESSES else [name]
+                for each in together:
+                    directory(each)
+                cache.update(_launched(root, together))
         return cache[name]
 
     return get

@@ -1,8 +1,10 @@
-"""Every contract case under one launched strategy; each replica saves its results.
+"""Every contract case under each of the named strategies, in one launched job; each replica saves its results.
 
-    loom run --nproc 2 contract_job.py --strategy mirrored --dir DIR
+    loom run --nproc 2 contract_job.py --strategy mirrored,sharded --dir DIR
 
-DIR/reference must hold OneDevice's checkpoint; results go to DIR/results-<replica>.pt.
+Strategies that run on the same processes share one launch (a process importing torch costs
+seconds). DIR/<strategy>/reference must hold OneDevice's checkpoint; results go to
+DIR/<strategy>/results-<replica>.pt.
 """
 
 import argparse
@@ -19,11 +21,15 @@ def main() -> None:
     parser.add_argument("--strategy", required=True)
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
-    directory = Path(args.dir)
-    strategy = loom.get_strategy(args.strategy, timeout=60)
+    for name in args.strategy.split(","):
+        run_strategy(name, Path(args.dir) / name)
+
+
+def run_strategy(strategy_name: str, directory: Path) -> None:
+    strategy = loom.get_strategy(strategy_name, timeout=60)
 
     def make(**options):
-        return loom.get_strategy(args.strategy, timeout=60, **options)
+        return loom.get_strategy(strategy_name, timeout=60, **options)
 
     results = {}
     for name in CASES:
