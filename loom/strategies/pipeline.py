@@ -16,24 +16,28 @@ forward and backward are interleaved by the schedule, so ``backward`` refuses an
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
 from loom.comm import Connection
 from loom.devices import apply_thread_budget, local_device
-from loom.errors import LaunchError
-from loom.strategies.base import Strategy
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.errors import CheckpointMismatchError, LaunchError
+from loom.strategies.base import Strategy, unwrap
+from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
+from loom.strategies.pipeline_state import named_groups, stage_view
 from loom.strategies.pipeline_split import Layers, describe, find_layers, owned_tensors, split_bounds, time_costs
 from loom.strategies.precision import AutocastModule
 from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
 
+_SAVE_OPTIONS = ("step", "keep", "async_save", "durable")
 EAGER_REFUSAL = (
     "PipelineStrategy runs forward and backward together in its schedule, so the eager loop (model(x) with "
     "gradients, strategy.backward) cannot run: use step = strategy.train_step(model, loss_fn, optimizer) and "
@@ -142,7 +146,7 @@ class PipelineStrategy(Strategy):
         _release(model, owned)
         for tensor in owned.values():
             tensor.data = tensor.data.to(self._device)
-        wrapped = PipelineModule(model, self, runner)
+        wrapped = PipelineModule(model, self, runner, owned)
         if optimizer is None:
             return wrapped
         params = [p for p in model.parameters() if not p.is_meta]
@@ -202,6 +206,62 @@ class PipelineStrategy(Strategy):
                 if p.grad is not None:
                     comm.all_reduce(p.grad, "mean", self.dp_group)
 
+    # ---- checkpoints: each stage its own tensors, under the whole model's names -----------------
+    def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
+        """Every stage writes its own tensors; together they are the whole model's checkpoint."""
+        state = {k: v for k, v in options.items() if k not in _SAVE_OPTIONS}
+        return super().save(directory, **{k: v for k, v in options.items() if k in _SAVE_OPTIONS}, **self._stage_state(state))
+
+    def restore(self, directory: Any, *, fallback: bool = False, strict: bool = True, **state: Any) -> dict[str, Any] | None:
+        """Each stage reads its own tensors from a checkpoint of the whole model (saved under any strategy).
+
+        ``strict`` holds for the stages together: a tensor no stage wants, or one a stage
+        wants and the checkpoint lacks, is an error.
+        """
+        for value in state.values():  # DCP creates missing optimizer state by a step at lr 0: on the real groups
+            if isinstance(value, torch.optim.Optimizer) and not inner_optimizer(value).state:
+                module = self._module_of(value, state)
+                if module is not None:
+                    get_optimizer_state_dict(stage_view(unwrap(module), module.owned), inner_optimizer(value))
+        staged = self._stage_state(state)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="loom: restored part")
+            restored = super().restore(directory, fallback=fallback, strict=False, **staged)
+        if restored is None or not strict:
+            return restored
+        missing, unexpected = restored.pop("missing_keys"), restored.pop("unexpected_keys")
+        everyone: list[Any] = [None] * comm.world_size(self.group)
+        with self._guard():
+            dist.all_gather_object(everyone, set(unexpected), group=self.group)
+        unwanted = sorted(set.intersection(*everyone))
+        if missing or unwanted:
+            key = (missing or unwanted)[0]
+            where = "has no tensor" if missing else "has a tensor no stage wants:"
+            raise CheckpointMismatchError(
+                f"checkpoint does not match: {restored['path']} {where} '{key}'; is it a checkpoint of this model? "
+                "(restore(..., strict=False) loads the tensors both have)"
+            )
+        return restored
+
+    def _module_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> PipelineModule | None:
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        return next((v for v in state.values() if isinstance(v, PipelineModule) and any(first is t for t in v.owned.values())), None)
+
+    def _stage_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Modules as views of this stage's tensors; their optimizers naming every stage's parameters."""
+        staged = dict(state)
+        views = {}
+        for name, value in state.items():
+            if isinstance(value, PipelineModule):
+                views[id(value)] = staged[name] = stage_view(unwrap(value), value.owned)
+        for name, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                module = self._module_of(value, state)
+                if module is not None:
+                    with self._guard():
+                        staged[name] = named_groups(views[id(module)], value, self.group)
+        return staged
+
     # ---- cross-replica values: over the dp axis only ----------------------------------------
     def reduce(self, value: Any, op: str = "mean") -> Any:
         if self.dp_group is not None:
@@ -229,10 +289,11 @@ class PipelineModule(AutocastModule):
     with gradients in training mode it refuses, pointing to ``train_step``.
     """
 
-    def __init__(self, module: nn.Module, strategy: PipelineStrategy, runner: PipelineRunner) -> None:
+    def __init__(self, module: nn.Module, strategy: PipelineStrategy, runner: PipelineRunner, owned: dict[str, torch.Tensor]) -> None:
         super().__init__(module, strategy.precision)
         self.strategy = strategy
         self.runner = runner
+        self.owned = owned  # this process's parameters and buffers, by their names in the model
 
     def forward(self, inputs: Any) -> Any:  # type: ignore[override]
         if self.training and torch.is_grad_enabled():
