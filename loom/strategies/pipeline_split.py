@@ -18,6 +18,7 @@ Stages are balanced by parameter count, by measured time, or cut at named blocks
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -89,14 +90,16 @@ def time_costs(layers: Layers, example: Any, repeats: int = 3) -> list[float]:
         ]
     runs = []
     try:
-        for _ in range(repeats + 1):  # the first run warms up
-            marks.clear()
-            start = time.perf_counter()
-            out = layers.model(example)
-            forward_end = time.perf_counter()
-            _first_tensor(out).float().sum().backward()
-            end = time.perf_counter()
-            runs.append(_per_layer(marks, len(layers.names), start, forward_end, end))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")  # the first layer's inputs need no grad
+            for _ in range(repeats + 1):  # the first run warms up
+                marks.clear()
+                start = time.perf_counter()
+                out = layers.model(example)
+                forward_end = time.perf_counter()
+                _first_tensor(out).float().sum().backward()
+                end = time.perf_counter()
+                runs.append(_per_layer(marks, len(layers.names), start, forward_end, end))
     finally:
         for hook in hooks:
             hook.remove()
