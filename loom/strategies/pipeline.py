@@ -26,14 +26,14 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
-from loom.comm import Connection
+from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
 from loom.strategies.pipeline_state import named_groups, stage_view
-from loom.strategies.pipeline_split import Layers, describe, find_layers, owned_tensors, split_bounds, time_costs
+from loom.strategies.pipeline_split import Layers, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
 from loom.strategies.precision import AutocastModule
 from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
 
@@ -139,6 +139,7 @@ class PipelineStrategy(Strategy):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
         layers = find_layers(model)
         bounds = self._bounds(layers)
+        check_untied(layers, bounds)
         self.print(describe(layers, bounds))
         with self._guard():
             runner = PipelineRunner(layers, bounds, self.schedule, self.microbatches, self.virtual_stages, self._device, self.precision, self.group)
@@ -205,6 +206,13 @@ class PipelineStrategy(Strategy):
             for p in params:
                 if p.grad is not None:
                     comm.all_reduce(p.grad, "mean", self.dp_group)
+
+    def preempted(self) -> bool:
+        """Over every process of the job: the stages of a pipeline stop together, not only its replicas."""
+        flag = torch.tensor(float(preemption.requested()), device=self._device)
+        with self._guard():
+            comm.all_reduce(flag, "max")
+        return bool(flag)
 
     # ---- checkpoints: each stage its own tensors, under the whole model's names -----------------
     def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]

@@ -351,6 +351,19 @@ def build_stage(layers: Layers, bounds: Sequence[int], stage: int) -> nn.Module:
     return LastStage(layers, blocks, layers.after)
 
 
+def check_untied(layers: Layers, bounds: Sequence[int]) -> None:
+    """A parameter used by two stages would be two copies trained apart: refuse it."""
+    seen: dict[int, tuple[int, str]] = {}
+    for s in range(len(bounds) - 1):
+        for name, tensor in owned_tensors(layers, bounds, [s]).items():
+            first = seen.setdefault(id(tensor), (s, name))
+            if first[0] != s:
+                raise ValueError(
+                    f"{first[1]} (stage {first[0]}) and {name} (stage {s}) are one tied parameter, which two stages "
+                    "would train as two copies: untie them, or keep both modules in one stage with split_points"
+                )
+
+
 def owned_tensors(layers: Layers, bounds: Sequence[int], stages: Sequence[int]) -> dict[str, torch.Tensor]:
     """The parameters and buffers of ``stages``, by their full names in the model."""
     owned: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ from torch import nn
 import loom
 from examples.gpt_model import GPT, GPTConfig
 from loom.strategies.pipeline_runner import stage_owners
-from loom.strategies.pipeline_split import LastStage, build_stage, describe, find_layers, split_bounds, time_costs
+from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, split_bounds, time_costs
 from tests.helpers import SCRIPTS, loom_run
 from tests.scripts import pipeline_job
 
@@ -203,3 +203,12 @@ def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
         assert restored and max_difference(restored, saved) == 0.0 and rank["restore"]["lr"] == 1e-3
         assert rank["restore"]["one_device_steps"] == [2]  # OneDevice's checkpoint, read by the stages
     assert max_difference(whole(ranks, "restore", "one_device"), job["one_device"]) == 0.0
+
+
+def test_a_parameter_tied_across_stages_is_refused():
+    model = gpt()
+    model.head.weight = model.embed.weight  # the common tie of input and output embeddings
+    layers = find_layers(model)
+    with pytest.raises(ValueError, match=r"^embed.weight \(stage 0\) and head.weight \(stage 1\) are one tied parameter"):
+        check_untied(layers, split_bounds(layers, 2))
+    check_untied(layers, split_bounds(layers, 1))  # one stage holds both
