@@ -92,6 +92,15 @@ def main() -> None:
         "one_device_steps": sorted({int(v["step"]) for v in again_opt.state_dict()["state"].values()}),
     }
 
+    built = model()
+    kept, built_opt = strategy.prepare(built, torch.optim.SGD(built.parameters(), lr=0.1))  # a built optimizer, not a factory
+    held = [p for p in built.parameters() if not p.is_meta]
+    results["built_optimizer"] = {
+        "held": len(held),
+        "in_optimizer": [id(p) for g in built_opt.param_groups for p in g["params"]] == [id(p) for p in held],
+        "meta": sum(1 for p in built.parameters() if p.is_meta),
+    }
+
     # every schedule: the first step's loss is the unpipelined loss, two steps equal OneDevice's
     one, _, _, one_losses = train(loom.OneDeviceStrategy(), 2)
     results["schedules"] = {}
