@@ -50,6 +50,7 @@ class PipelineRunner:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.bounds = list(bounds)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         processes = dist.get_world_size(group) if dist.is_initialized() else 1
         self.owners = stage_owners(schedule, processes, virtual_stages)

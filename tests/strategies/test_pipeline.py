@@ -186,7 +186,7 @@ def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
 def test_the_split_is_printed_once_by_the_chief(job):
     lines = [line for line in job["stdout"].splitlines() if line.startswith("pipeline split:")]
     assert lines[0] == "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
-    assert len(lines) == 8  # eight prepares in the job, each printed by one process
+    assert len(lines) == 10  # ten prepares in the job, each printed by one process
 
 
 def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
@@ -221,3 +221,16 @@ def test_each_process_holds_and_optimizes_only_its_stage(job):
     assert all(c["in_optimizer"] for c in counts)
     assert counts[0]["held"] + counts[1]["held"] == total and all(c["held"] + c["meta"] == total for c in counts)
     assert all(c["held"] > 0 and c["meta"] > 0 for c in counts)
+
+
+def test_balance_by_time_is_measured_once_and_used_by_every_process(job):
+    bounds = [rank["time_balance"] for rank in job["ranks"]]
+    assert bounds[0] == bounds[1] and bounds[0][0] == 0 and bounds[0][-1] == 4 and len(bounds[0]) == 3
+
+
+def test_replicated_pipelines_average_gradients_over_the_dp_axis(job):
+    """What a hybrid's {"dp": 2, "pp": ...} runs: each replica reads half the global batch, and two
+    replicas' averaged gradients equal one device's on the whole batch."""
+    got = [rank["replicated"] for rank in job["ranks"]]
+    assert [g["replica"] for g in got] == [0, 1] and all(g["replicas"] == 2 and g["reduced"] == 3 for g in got)
+    assert all(g["rows"] == pipeline_job.BATCH // 2 and g["difference"] <= 1e-5 for g in got)
