@@ -10,12 +10,14 @@ from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
+from loom.strategies.sharded import ShardedStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "sharded": ShardedStrategy,
 }
 
 
@@ -48,6 +50,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "ShardedStrategy",
     "Strategy",
     "auto_strategy",
     "get_strategy",

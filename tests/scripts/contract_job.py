@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import loom
 from tests.contract.cases import CASES, run_case
@@ -38,7 +39,18 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    torch.save(results, directory / f"results-{strategy.replica_id}.pt")
+    torch.save(_full(results), directory / f"results-{strategy.replica_id}.pt")
+
+
+def _full(value):
+    """Sharded strategies' tensors (DTensors) gathered whole, as every replica's results hold them."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_full(v) for v in value)
+    return value
 
 
 if __name__ == "__main__":
