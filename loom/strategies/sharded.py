@@ -114,6 +114,18 @@ def materialize(module: nn.Module, device: torch.device, init: Init | None = Non
                 _fill(sub, lambda sub=sub: init(sub))
 
 
+def check_initialisable(module: nn.Module, init: Init | None) -> None:
+    """Without ``init``, a module built on meta whose parameters no ``reset_parameters`` sets would keep garbage."""
+    if init is not None:
+        return
+    for sub in module.modules():
+        if next(sub.parameters(recurse=False), None) is not None and not callable(getattr(sub, "reset_parameters", None)):
+            raise ValueError(
+                f"a model built under strategy.scope() gets its values from reset_parameters(), which {type(sub).__name__} "
+                "lacks: give it one, pass scope(init=fn) to initialise every module, or build the model outside scope()"
+            )
+
+
 def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     for child in module.children():
         yield from _post_order(child)
@@ -121,10 +133,14 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def _fill(module: nn.Module, fill: Callable[[], Any]) -> None:
-    """Run ``fill`` on full-size CPU stand-ins of ``module``'s own tensors, then keep this replica's shard."""
+    """Run ``fill`` on full-size CPU copies of ``module``'s own tensors, then keep this replica's shard of each.
+
+    A fill may leave a tensor as it was (``init`` passing over a LayerNorm): the copies hold
+    the current values, gathered, so that keeps them.
+    """
     own = {name: t for name, t in module.named_parameters(recurse=False)}
     own.update({name: b for name, b in module.named_buffers(recurse=False)})
-    standins = {name: torch.empty(t.shape, dtype=t.dtype, device="cpu") for name, t in own.items()}
+    standins = {name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) for name, t in own.items()}
     for name, full in standins.items():
         _swap(module, name, full)
     try:
@@ -282,6 +298,8 @@ class ShardedStrategy(Strategy):
     def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:  # type: ignore[override]
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
             on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+            if on_meta:
+                check_initialisable(model, self._init)
             with self._guard():
                 shard_model(
                     model, self._mesh, wrap=self.wrap, reshard_after_forward=self.reshard_after_forward,
@@ -290,7 +308,17 @@ class ShardedStrategy(Strategy):
                 if on_meta:
                     materialize(model, torch.device("cpu") if self.offload else self._device, self._init)
             self._sharded.append(model)  # type: ignore[arg-type]
-        return super().prepare(model, optimizer)
+        with self._placed_on_cpu() if self.offload else _no_context():
+            return super().prepare(model, optimizer)
+
+    @contextmanager
+    def _placed_on_cpu(self) -> Iterator[None]:
+        """``Strategy.prepare`` moves the model to ``device``; offloaded shards stay in CPU memory."""
+        device, self._device = self._device, torch.device("cpu")
+        try:
+            yield
+        finally:
+            self._device = device
 
     def _skip_gradient_sync(self) -> ContextManager[Any]:
         return self._gradient_sync_off()
