@@ -10,6 +10,7 @@ from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
+from loom.strategies.pipeline import PipelineStrategy
 from loom.strategies.sharded import ShardedStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -18,6 +19,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
     "sharded": ShardedStrategy,
+    "pipeline": PipelineStrategy,
 }
 
 
@@ -50,6 +52,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "PipelineStrategy",
     "ShardedStrategy",
     "Strategy",
     "auto_strategy",

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import loom
@@ -39,7 +40,23 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    torch.save(_full(results), directory / f"results-{strategy.replica_id}.pt")
+    torch.save(complete(_full(results)), directory / f"results-{dist.get_rank()}.pt")  # a pipeline's processes share replica 0
+
+
+def complete(results: dict) -> dict:
+    """Each process's results with the tensors it does not hold (meta: another pipeline stage's) from the one that does."""
+    held = {case: {key: {n: t for n, t in v.items() if not t.is_meta} for key, v in got.items() if _tensors(v)} for case, got in results.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    for case, got in results.items():
+        for key, value in got.items():
+            if _tensors(value):
+                got[key] = {n: next(o[case][key][n] for o in everyone if n in o[case][key]) if t.is_meta else t for n, t in value.items()}
+    return results
+
+
+def _tensors(value: object) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(t, torch.Tensor) for t in value.values())
 
 
 def _full(value):
