@@ -11,12 +11,14 @@ from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrate
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.pipeline import PipelineStrategy
+from loom.strategies.sharded import ShardedStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "sharded": ShardedStrategy,
     "pipeline": PipelineStrategy,
 }
 
@@ -51,6 +53,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ShardedStrategy",
     "Strategy",
     "auto_strategy",
     "get_strategy",

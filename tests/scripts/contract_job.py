@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import loom
 from tests.contract.cases import CASES, run_case
@@ -39,7 +40,7 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    torch.save(complete(results), directory / f"results-{dist.get_rank()}.pt")  # a pipeline's processes share replica 0
+    torch.save(complete(_full(results)), directory / f"results-{dist.get_rank()}.pt")  # a pipeline's processes share replica 0
 
 
 def complete(results: dict) -> dict:
@@ -56,6 +57,17 @@ def complete(results: dict) -> dict:
 
 def _tensors(value: object) -> bool:
     return isinstance(value, dict) and bool(value) and all(isinstance(t, torch.Tensor) for t in value.values())
+
+
+def _full(value):
+    """Sharded strategies' tensors (DTensors) gathered whole, as every replica's results hold them."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_full(v) for v in value)
+    return value
 
 
 if __name__ == "__main__":
