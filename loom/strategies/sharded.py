@@ -12,8 +12,10 @@ allocates only this replica's shards and fills them one module at a time (see
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from functools import cached_property
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
@@ -108,10 +110,10 @@ def materialize(module: nn.Module, device: torch.device, init: Init | None = Non
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
-                _fill(sub, reset)
+                _fill(sub, reset, gather=False)  # what to_empty left is no value to keep
         if init is not None:
             for sub in _post_order(module):
-                _fill(sub, lambda sub=sub: init(sub))
+                _fill(sub, lambda sub=sub: init(sub), gather=True)
 
 
 def check_initialisable(module: nn.Module, init: Init | None) -> None:
@@ -132,15 +134,18 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def _fill(module: nn.Module, fill: Callable[[], Any]) -> None:
-    """Run ``fill`` on full-size CPU copies of ``module``'s own tensors, then keep this replica's shard of each.
+def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
+    """Run ``fill`` on full-size CPU stand-ins of ``module``'s own tensors, then keep this replica's shard of each.
 
-    A fill may leave a tensor as it was (``init`` passing over a LayerNorm): the copies hold
-    the current values, gathered, so that keeps them.
+    ``gather``: the stand-ins start from the current values, gathered, so that a fill that
+    leaves a tensor as it was (``init`` passing over a LayerNorm) keeps it.
     """
     own = {name: t for name, t in module.named_parameters(recurse=False)}
     own.update({name: b for name, b in module.named_buffers(recurse=False)})
-    standins = {name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) for name, t in own.items()}
+    standins = {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) if gather else torch.empty(t.shape, dtype=t.dtype)
+        for name, t in own.items()
+    }
     for name, full in standins.items():
         _swap(module, name, full)
     try:
@@ -164,6 +169,20 @@ def _swap(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
         module._buffers[name] = tensor
 
 
+def _onto_shards(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+    """Point an optimizer built on a model's parameters at the shards that ``fully_shard`` put in their place."""
+    groups = optimizer.param_groups
+    if not all(id(p) in names for group in groups for p in group["params"]):
+        return  # not this model's: Strategy.prepare says so
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer has already stepped on the unsharded parameters, and its state cannot follow them onto "
+            "their shards: pass it to prepare() before its first step, or pass a factory (lambda params: ...)"
+        )
+    for group in groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+
+
 class ShardedPrecision(Precision):
     """bf16 (and fp16) parameters in forward and backward through FSDP's mixed-precision policy.
 
@@ -176,7 +195,7 @@ class ShardedPrecision(Precision):
         self.scaler = scaler
 
     def autocast(self) -> ContextManager[Any]:
-        return super().autocast() if self.dtype is None else _no_context()
+        return nullcontext()
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
@@ -193,11 +212,6 @@ class ShardedGradScaler(GradScaler):
         for tensor in per_device.values():
             torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
         return per_device
-
-
-@contextmanager
-def _no_context() -> Iterator[None]:
-    yield
 
 
 class ShardedStrategy(Strategy):
@@ -259,7 +273,7 @@ class ShardedStrategy(Strategy):
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
         self._connection = Connection.join(self.cluster, self._device, self.timeout, backend)
         self._mesh: DeviceMesh = init_device_mesh(self._device.type, (self.cluster.world_size,), mesh_dim_names=("dp_shard",))
-        self._sharded: list[FSDPModule] = []
+        self._sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every model prepared, while it lives
         self._init: Init | None = None
 
     @property
@@ -274,12 +288,10 @@ class ShardedStrategy(Strategy):
     def device(self) -> torch.device:
         return self._device
 
-    @property
-    def precision(self) -> Precision:  # type: ignore[override]
-        if "_sharded_precision" not in self.__dict__:
-            scaler = ShardedGradScaler(self._device.type) if self._precision_name == "16-mixed" else None
-            self.__dict__["_sharded_precision"] = ShardedPrecision(self._precision_name, self._device, scaler)
-        return self.__dict__["_sharded_precision"]
+    @cached_property
+    def precision(self) -> Precision:
+        scaler = ShardedGradScaler(self._device.type) if self._precision_name == "16-mixed" else None
+        return ShardedPrecision(self._precision_name, self._device, scaler)
 
     @contextmanager
     def scope(self, init: Init | None = None) -> Iterator[None]:
@@ -296,7 +308,9 @@ class ShardedStrategy(Strategy):
             yield
 
     def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:  # type: ignore[override]
+        """As ``Strategy.prepare``; an optimizer built on the model's parameters before is moved onto their shards."""
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
+            names = {id(p): name for name, p in model.named_parameters()}
             on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
             if on_meta:
                 check_initialisable(model, self._init)
@@ -307,8 +321,10 @@ class ShardedStrategy(Strategy):
                 )  # fmt: skip
                 if on_meta:
                     materialize(model, torch.device("cpu") if self.offload else self._device, self._init)
-            self._sharded.append(model)  # type: ignore[arg-type]
-        with self._placed_on_cpu() if self.offload else _no_context():
+            self._sharded.add(model)
+            if isinstance(optimizer, torch.optim.Optimizer):
+                _onto_shards(optimizer, names, dict(model.named_parameters()))
+        with self._placed_on_cpu() if self.offload else nullcontext():
             return super().prepare(model, optimizer)
 
     @contextmanager
