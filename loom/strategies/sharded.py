@@ -30,7 +30,7 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.precision import DTYPES, GradScaler, Precision
+from loom.strategies.precision import DTYPES, Precision
 
 Init = Callable[[nn.Module], None]
 
@@ -188,30 +188,15 @@ class ShardedPrecision(Precision):
 
     The shards, the gradients they receive and the optimizer stay fp32; the gradients are
     reduced in fp32. No autocast on top: the policy already runs every block in low precision.
+    fp16 keeps torch's GradScaler: DTensor all-reduces its overflow check over the mesh, so an
+    inf in one replica's shard skips the step on every replica.
     """
-
-    def __init__(self, name: str, device: torch.device, scaler: GradScaler | None) -> None:
-        super().__init__(name, device)
-        self.scaler = scaler
 
     def autocast(self) -> ContextManager[Any]:
         return nullcontext()
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
-
-
-class ShardedGradScaler(GradScaler):
-    """loom's GradScaler, with a rank's inf or NaN skipping the step on every rank.
-
-    Each rank checks only its shards of the gradients, so "found inf" is made the job's.
-    """
-
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:  # type: ignore[override]
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        for tensor in per_device.values():
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return per_device
 
 
 class ShardedStrategy(Strategy):
@@ -290,8 +275,7 @@ class ShardedStrategy(Strategy):
 
     @cached_property
     def precision(self) -> Precision:
-        scaler = ShardedGradScaler(self._device.type) if self._precision_name == "16-mixed" else None
-        return ShardedPrecision(self._precision_name, self._device, scaler)
+        return ShardedPrecision(self._precision_name, self._device)
 
     @contextmanager
     def scope(self, init: Init | None = None) -> Iterator[None]:
