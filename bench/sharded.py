@@ -1,5 +1,9 @@
 """Memory and throughput of ShardedStrategy against MirroredStrategy, and against FSDP2 written by hand.
 
+Sharded runs twice: as it comes (gathering each block again for backward) and with
+``reshard_after_forward=False`` (keeping it gathered from forward to backward). The times of
+the collectives each strategy uses are measured too: on gloo, what sets their ratio.
+
 Two models of stacked 1024-wide (or 512-wide) linear blocks trained with AdamW, on 2 and 4
 processes of one thread each: one whose parameters, gradients and Adam state (16 bytes a
 parameter) fit in a process's memory budget, and one that fits only sharded. The budget is
@@ -13,6 +17,7 @@ mmap threshold fixed at 1 MiB, so freed tensors leave the resident size.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -32,7 +37,7 @@ from loom.launch import LaunchOptions, run_job  # noqa: E402
 from workloads import RESULTS, machine, save  # noqa: E402
 
 MODELS = {"fits": (8, 512), "too big unsharded": (24, 1024)}  # (blocks, width)
-KINDS = ("mirrored", "sharded", "raw fully_shard")
+KINDS = ("mirrored", "sharded", "sharded, no reshard", "raw fully_shard")
 PER_REPLICA_BATCH = 8
 
 
@@ -52,8 +57,8 @@ def loss_fn(out: torch.Tensor, _: Any) -> torch.Tensor:
 
 
 def loom_run(kind: str, blocks: int, width: int) -> Callable[[torch.Tensor], None]:
-    strategy = loom.MirroredStrategy() if kind == "mirrored" else loom.ShardedStrategy()
-    if kind == "sharded":
+    strategy = loom.MirroredStrategy() if kind == "mirrored" else loom.ShardedStrategy(reshard_after_forward=kind == "sharded")
+    if kind != "mirrored":
         with strategy.scope():
             model = Wide(blocks, width)
     else:
@@ -87,6 +92,7 @@ def raw_run(blocks: int, width: int) -> Callable[[torch.Tensor], None]:
 
 def measure(kind: str, blocks: int, width: int, steps: int) -> dict[str, float]:
     """This process's peak added resident memory (MiB) and the job's samples/s."""
+    gc.collect()  # the previous run's model (DDP's reference cycles) is freed now, not during this one
     baseline = _resident_mb()
     _reset_peak()
     step = raw_run(blocks, width) if kind == "raw fully_shard" else loom_run(kind, blocks, width)
@@ -114,8 +120,31 @@ def worker(out: str, steps: int) -> None:
     for name, (blocks, width) in MODELS.items():
         for kind in KINDS:
             results[f"{name}/{kind}"] = measure(kind, blocks, width, steps)
+    results["collectives_ms"] = collectives(MODELS["fits"])
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
+
+
+def collectives(model: tuple[int, int]) -> dict[str, float]:
+    """Milliseconds of each collective on the fits model's parameters: what one step of each strategy moves."""
+    blocks, width = model
+    full = torch.zeros(blocks * (width * width + width))
+    shard = torch.zeros(full.numel() // dist.get_world_size())
+    ops = {
+        "all_reduce (Mirrored, once a step)": lambda: dist.all_reduce(full),
+        "all_gather (Sharded, twice a step)": lambda: dist.all_gather_single(full[: shard.numel() * dist.get_world_size()], shard),
+        "reduce_scatter (Sharded, once a step)": lambda: dist.reduce_scatter_single(shard, full[: shard.numel() * dist.get_world_size()]),
+    }
+    found = {}
+    for name, op in ops.items():
+        op()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(5):
+            op()
+        dist.barrier()
+        found[name] = (time.perf_counter() - start) / 5 * 1000
+    return found
 
 
 def _resident_mb() -> float:
@@ -152,11 +181,14 @@ def main() -> None:
             if run_job([__file__, "--worker-out", out.name, "--steps", str(args.steps)], LaunchOptions(nproc=n, threads=1)):
                 raise SystemExit(f"the run on {n} processes failed")
             runs = json.loads(Path(out.name).read_text())
+        collective_ms = runs.pop("collectives_ms")
+        print(f"{n} processes, collectives on the fits model's parameters: " + ", ".join(f"{k} {v:.0f} ms" for k, v in collective_ms.items()))
         for key, found in runs.items():
             found["fits_budget"] = found["peak_mb"] <= args.budget_mb
             print(f"{n} processes, {key}: {found['samples_per_sec']:,.0f} samples/s, peak {found['peak_mb']:.0f} MiB per process"
                   f" ({'within' if found['fits_budget'] else 'OVER'} the {args.budget_mb:.0f} MiB budget)", flush=True)  # fmt: skip
         results["runs"][str(n)] = runs
+        results.setdefault("collectives_ms", {})[str(n)] = collective_ms
         fits = runs["fits/sharded"]["samples_per_sec"] / runs["fits/mirrored"]["samples_per_sec"]
         raw = runs["fits/sharded"]["samples_per_sec"] / runs["fits/raw fully_shard"]["samples_per_sec"]
         results.setdefault("sharded_over_mirrored_where_both_fit", {})[str(n)] = fits
@@ -175,11 +207,11 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"{n} proc\n{model}" for n in results["runs"] for model in MODELS]
-    width = 0.27
+    width = 0.2
     for i, kind in enumerate(KINDS):
         peaks = [results["runs"][n][f"{m}/{kind}"]["peak_mb"] for n in results["runs"] for m in MODELS]
         speed = [results["runs"][n][f"{m}/{kind}"]["samples_per_sec"] for n in results["runs"] for m in MODELS]
-        xs = [j + (i - 1) * width for j in range(len(labels))]
+        xs = [j + (i - 1.5) * width for j in range(len(labels))]
         axes[0].bar(xs, peaks, width, label=kind)
         axes[1].bar(xs, speed, width, label=kind)
     axes[0].axhline(results["budget_mb"], color="red", linestyle="--", label="per-process budget")

@@ -33,6 +33,7 @@ from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.precision import DTYPES, Precision
 
 Init = Callable[[nn.Module], None]
+OFFLOAD_ON_CPU = "offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload"
 
 
 def shard_model(
@@ -50,8 +51,9 @@ def shard_model(
     replicates over its first (HSDP). None: every rank of the job. Returns ``module``,
     changed in place (its parameters become DTensor shards).
     """
-    if offload and mesh is not None and mesh.device_type == "cpu":
-        raise ValueError("offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload")
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if offload and device_type == "cpu":
+        raise ValueError(OFFLOAD_ON_CPU)
     targets = blocks(module) if wrap is None else _named_classes(module, wrap)
     policy = mp_policy or MixedPrecisionPolicy()
     options: dict[str, Any] = {
@@ -140,19 +142,19 @@ def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
     ``gather``: the stand-ins start from the current values, gathered, so that a fill that
     leaves a tensor as it was (``init`` passing over a LayerNorm) keeps it.
     """
-    own = {name: t for name, t in module.named_parameters(recurse=False)}
-    own.update({name: b for name, b in module.named_buffers(recurse=False)})
+    params = dict(module.named_parameters(recurse=False))
+    own = {**params, **dict(module.named_buffers(recurse=False))}
     standins = {
         name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) if gather else torch.empty(t.shape, dtype=t.dtype)
         for name, t in own.items()
     }
     for name, full in standins.items():
-        _swap(module, name, full)
+        setattr(module, name, nn.Parameter(full, requires_grad=False) if name in params else full)
     try:
         fill()
     finally:
         for name, tensor in own.items():
-            _swap(module, name, tensor)
+            setattr(module, name, tensor)
     for name, tensor in own.items():
         full = standins[name]
         if isinstance(tensor, DTensor):
@@ -160,13 +162,6 @@ def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
             tensor.to_local().copy_(full)
         else:
             tensor.copy_(full)
-
-
-def _swap(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    if name in module._parameters:
-        module._parameters[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-    else:
-        module._buffers[name] = tensor
 
 
 def _onto_shards(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
@@ -247,7 +242,7 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(repr(p) for p in DTYPES)}")
         self._device = local_device(self.cluster.local_rank)
         if offload and self._device.type == "cpu":
-            raise ValueError("offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload")
+            raise ValueError(OFFLOAD_ON_CPU)
         self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
         low = DTYPES[precision]

@@ -80,11 +80,13 @@ def two_ranks(directory: Path) -> dict[str, Any]:
         "bad_wrap": lambda: loom.ShardedStrategy(wrap=[nn.Conv2d], timeout=60).prepare(GPT(CONFIG)),
         "offload_on_cpu": lambda: loom.ShardedStrategy(offload=True, timeout=60),
         "no_reset_parameters": lambda: strategy.prepare(_raw_parameter_model(strategy)),
+        "wrap_not_a_class": lambda: loom.ShardedStrategy(wrap=["Block"], timeout=60).prepare(GPT(CONFIG)),
+        "num_replicas": lambda: loom.ShardedStrategy(num_replicas=3, timeout=60),
     }.items():
         try:
             make()
             found[name] = "no error"
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, loom.ClusterError) as error:
             found[name] = f"{type(error).__name__}: {error}"
     return found
 

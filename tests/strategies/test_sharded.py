@@ -107,7 +107,9 @@ def test_bad_options_get_one_line(sharded):
         assert replica["no_reset_parameters"].startswith(
             "ValueError: a model built under strategy.scope() gets its values from reset_parameters(), which Scale lacks"
         )
-        assert "\n" not in replica["bad_wrap"] + replica["offload_on_cpu"] + replica["no_reset_parameters"]
+        assert replica["wrap_not_a_class"] == "TypeError: wrap takes nn.Module classes, e.g. wrap=[Block], not ['Block']"
+        assert replica["num_replicas"].startswith("ClusterError: ShardedStrategy(num_replicas=3) but the job has 2 process(es)")
+        assert all("\n" not in v for k, v in replica.items() if k in ("bad_wrap", "offload_on_cpu", "no_reset_parameters", "num_replicas"))
 
 
 def test_four_replicas_each_hold_a_quarter_of_a_model_one_could_not_hold(monkeypatch):
