@@ -12,8 +12,10 @@ allocates only this replica's shards and fills them one module at a time (see
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
+from functools import cached_property
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
@@ -28,9 +30,10 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.precision import DTYPES, GradScaler, Precision
+from loom.strategies.precision import DTYPES, Precision
 
 Init = Callable[[nn.Module], None]
+OFFLOAD_ON_CPU = "offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload"
 
 
 def shard_model(
@@ -48,8 +51,9 @@ def shard_model(
     replicates over its first (HSDP). None: every rank of the job. Returns ``module``,
     changed in place (its parameters become DTensor shards).
     """
-    if offload and mesh is not None and mesh.device_type == "cpu":
-        raise ValueError("offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload")
+    device_type = mesh.device_type if mesh is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if offload and device_type == "cpu":
+        raise ValueError(OFFLOAD_ON_CPU)
     targets = blocks(module) if wrap is None else _named_classes(module, wrap)
     policy = mp_policy or MixedPrecisionPolicy()
     options: dict[str, Any] = {
@@ -108,10 +112,10 @@ def materialize(module: nn.Module, device: torch.device, init: Init | None = Non
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
-                _fill(sub, reset)
+                _fill(sub, reset, gather=False)  # what to_empty left is no value to keep
         if init is not None:
             for sub in _post_order(module):
-                _fill(sub, lambda sub=sub: init(sub))
+                _fill(sub, lambda sub=sub: init(sub), gather=True)
 
 
 def check_initialisable(module: nn.Module, init: Init | None) -> None:
@@ -132,22 +136,25 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def _fill(module: nn.Module, fill: Callable[[], Any]) -> None:
-    """Run ``fill`` on full-size CPU copies of ``module``'s own tensors, then keep this replica's shard of each.
+def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
+    """Run ``fill`` on full-size CPU stand-ins of ``module``'s own tensors, then keep this replica's shard of each.
 
-    A fill may leave a tensor as it was (``init`` passing over a LayerNorm): the copies hold
-    the current values, gathered, so that keeps them.
+    ``gather``: the stand-ins start from the current values, gathered, so that a fill that
+    leaves a tensor as it was (``init`` passing over a LayerNorm) keeps it.
     """
-    own = {name: t for name, t in module.named_parameters(recurse=False)}
-    own.update({name: b for name, b in module.named_buffers(recurse=False)})
-    standins = {name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) for name, t in own.items()}
+    params = dict(module.named_parameters(recurse=False))
+    own = {**params, **dict(module.named_buffers(recurse=False))}
+    standins = {
+        name: (t.full_tensor() if isinstance(t, DTensor) else t).to("cpu", copy=True) if gather else torch.empty(t.shape, dtype=t.dtype)
+        for name, t in own.items()
+    }
     for name, full in standins.items():
-        _swap(module, name, full)
+        setattr(module, name, nn.Parameter(full, requires_grad=False) if name in params else full)
     try:
         fill()
     finally:
         for name, tensor in own.items():
-            _swap(module, name, tensor)
+            setattr(module, name, tensor)
     for name, tensor in own.items():
         full = standins[name]
         if isinstance(tensor, DTensor):
@@ -157,11 +164,18 @@ def _fill(module: nn.Module, fill: Callable[[], Any]) -> None:
             tensor.copy_(full)
 
 
-def _swap(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    if name in module._parameters:
-        module._parameters[name] = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
-    else:
-        module._buffers[name] = tensor
+def _onto_shards(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
+    """Point an optimizer built on a model's parameters at the shards that ``fully_shard`` put in their place."""
+    groups = optimizer.param_groups
+    if not all(id(p) in names for group in groups for p in group["params"]):
+        return  # not this model's: Strategy.prepare says so
+    if optimizer.state:
+        raise ValueError(
+            "the optimizer has already stepped on the unsharded parameters, and its state cannot follow them onto "
+            "their shards: pass it to prepare() before its first step, or pass a factory (lambda params: ...)"
+        )
+    for group in groups:
+        group["params"] = [sharded[names[id(p)]] for p in group["params"]]
 
 
 class ShardedPrecision(Precision):
@@ -169,35 +183,15 @@ class ShardedPrecision(Precision):
 
     The shards, the gradients they receive and the optimizer stay fp32; the gradients are
     reduced in fp32. No autocast on top: the policy already runs every block in low precision.
+    fp16 keeps torch's GradScaler: DTensor all-reduces its overflow check over the mesh, so an
+    inf in one replica's shard skips the step on every replica.
     """
 
-    def __init__(self, name: str, device: torch.device, scaler: GradScaler | None) -> None:
-        super().__init__(name, device)
-        self.scaler = scaler
-
     def autocast(self) -> ContextManager[Any]:
-        return super().autocast() if self.dtype is None else _no_context()
+        return nullcontext()
 
     def wrap(self, module: nn.Module) -> nn.Module:
         return module
-
-
-class ShardedGradScaler(GradScaler):
-    """loom's GradScaler, with a rank's inf or NaN skipping the step on every rank.
-
-    Each rank checks only its shards of the gradients, so "found inf" is made the job's.
-    """
-
-    def _unscale_grads_(self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool) -> dict:  # type: ignore[override]
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        for tensor in per_device.values():
-            torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-        return per_device
-
-
-@contextmanager
-def _no_context() -> Iterator[None]:
-    yield
 
 
 class ShardedStrategy(Strategy):
@@ -248,7 +242,7 @@ class ShardedStrategy(Strategy):
             raise ValueError(f"unknown precision {precision!r}; use one of {', '.join(repr(p) for p in DTYPES)}")
         self._device = local_device(self.cluster.local_rank)
         if offload and self._device.type == "cpu":
-            raise ValueError("offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload")
+            raise ValueError(OFFLOAD_ON_CPU)
         self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
         low = DTYPES[precision]
@@ -259,7 +253,7 @@ class ShardedStrategy(Strategy):
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
         self._connection = Connection.join(self.cluster, self._device, self.timeout, backend)
         self._mesh: DeviceMesh = init_device_mesh(self._device.type, (self.cluster.world_size,), mesh_dim_names=("dp_shard",))
-        self._sharded: list[FSDPModule] = []
+        self._sharded: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every model prepared, while it lives
         self._init: Init | None = None
 
     @property
@@ -274,12 +268,9 @@ class ShardedStrategy(Strategy):
     def device(self) -> torch.device:
         return self._device
 
-    @property
-    def precision(self) -> Precision:  # type: ignore[override]
-        if "_sharded_precision" not in self.__dict__:
-            scaler = ShardedGradScaler(self._device.type) if self._precision_name == "16-mixed" else None
-            self.__dict__["_sharded_precision"] = ShardedPrecision(self._precision_name, self._device, scaler)
-        return self.__dict__["_sharded_precision"]
+    @cached_property
+    def precision(self) -> Precision:
+        return ShardedPrecision(self._precision_name, self._device)
 
     @contextmanager
     def scope(self, init: Init | None = None) -> Iterator[None]:
@@ -296,7 +287,9 @@ class ShardedStrategy(Strategy):
             yield
 
     def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:  # type: ignore[override]
+        """As ``Strategy.prepare``; an optimizer built on the model's parameters before is moved onto their shards."""
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
+            names = {id(p): name for name, p in model.named_parameters()}
             on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
             if on_meta:
                 check_initialisable(model, self._init)
@@ -307,8 +300,10 @@ class ShardedStrategy(Strategy):
                 )  # fmt: skip
                 if on_meta:
                     materialize(model, torch.device("cpu") if self.offload else self._device, self._init)
-            self._sharded.append(model)  # type: ignore[arg-type]
-        with self._placed_on_cpu() if self.offload else _no_context():
+            self._sharded.add(model)
+            if isinstance(optimizer, torch.optim.Optimizer):
+                _onto_shards(optimizer, names, dict(model.named_parameters()))
+        with self._placed_on_cpu() if self.offload else nullcontext():
             return super().prepare(model, optimizer)
 
     @contextmanager

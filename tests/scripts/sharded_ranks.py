@@ -28,10 +28,16 @@ def adamw(params: Any) -> torch.optim.Optimizer:
 
 def train_gpt(strategy: loom.Strategy, model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
     """10 AdamW steps of the small GPT on the global batch, clipped: the run every strategy must match."""
-    model, opt = strategy.prepare(model, adamw)
+    return _steps(strategy, *strategy.prepare(model, adamw))
+
+
+def _steps(
+    strategy: loom.Strategy, model: nn.Module, opt: torch.optim.Optimizer, steps: int = STEPS
+) -> tuple[nn.Module, torch.optim.Optimizer, list[float]]:
     step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=MAX_NORM)
     norms = []
-    for x, y in strategy.distribute(gpt_data(), batch_size=GLOBAL_BATCH, shuffle=False):
+    data = torch.utils.data.Subset(gpt_data(), range(GLOBAL_BATCH * steps))
+    for x, y in strategy.distribute(data, batch_size=GLOBAL_BATCH, shuffle=False):
         step(x, y)
         norms.append(float(step.grad_norm))
     return model, opt, norms
@@ -69,16 +75,39 @@ def two_ranks(directory: Path) -> dict[str, Any]:
     found["scope_local_params"] = sum(p.to_local().numel() for p in lazy.parameters())
 
     found["fp16_overflow"] = _overflow_on_one_rank(strategy)
+    found["options"] = _options()
     for name, make in {
         "bad_wrap": lambda: loom.ShardedStrategy(wrap=[nn.Conv2d], timeout=60).prepare(GPT(CONFIG)),
         "offload_on_cpu": lambda: loom.ShardedStrategy(offload=True, timeout=60),
         "no_reset_parameters": lambda: strategy.prepare(_raw_parameter_model(strategy)),
+        "wrap_not_a_class": lambda: loom.ShardedStrategy(wrap=["Block"], timeout=60).prepare(GPT(CONFIG)),
+        "num_replicas": lambda: loom.ShardedStrategy(num_replicas=3, timeout=60),
     }.items():
         try:
             make()
             found[name] = "no error"
-        except (ValueError, TypeError) as error:
+        except (ValueError, TypeError, loom.ClusterError) as error:
             found[name] = f"{type(error).__name__}: {error}"
+    return found
+
+
+def _options() -> dict[str, Any]:
+    """What wrap=, reshard_after_forward= and an optimizer built before prepare() do."""
+    from examples.gpt_model import MLP
+
+    found: dict[str, Any] = {}
+    model = loom.ShardedStrategy(wrap=[MLP], timeout=60).prepare(GPT(CONFIG))
+    found["mlp_units"] = [name for name, m in model.named_modules() if isinstance(m, torch.distributed.fsdp.FSDPModule)]
+    for reshard in (True, False):
+        model = loom.ShardedStrategy(reshard_after_forward=reshard, timeout=60).prepare(GPT(CONFIG))
+        model(torch.zeros(1, 4, dtype=torch.long))
+        found[f"gathered_after_forward_{reshard}"] = not isinstance(model.blocks[0].mlp.fc.weight, DTensor)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    early = adamw(model.parameters())  # built before prepare, on the unsharded parameters
+    strategy = loom.ShardedStrategy(timeout=60)
+    model, opt = strategy.prepare(model, early)
+    _, _, found["early_optimizer_norms"] = _steps(strategy, model, opt, steps=2)
     return found
 
 
@@ -110,9 +139,9 @@ def _overflow_on_one_rank(strategy: loom.Strategy) -> dict[str, Any]:
 
 
 class Wide(nn.Module):
-    """16 blocks of 1024x1024: 16.8M parameters, 268 MB with gradients and AdamW's two moments."""
+    """16 blocks of 768x768: 9.4M parameters, 144 MiB with gradients and AdamW's two moments."""
 
-    def __init__(self, blocks: int = 16, width: int = 1024) -> None:
+    def __init__(self, blocks: int = 16, width: int = 768) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(blocks))
 
@@ -123,30 +152,28 @@ class Wide(nn.Module):
 
 
 def four_ranks_memory() -> dict[str, float]:
-    """Peak resident memory (MiB) a process adds while building Wide under scope() and taking 2 AdamW steps.
+    """Peak resident memory (MiB) a process adds while building Wide under scope() and taking an AdamW step.
 
     Run with MALLOC_MMAP_THRESHOLD_ fixed, so that malloc returns every freed tensor over 1 MiB
     to the system and the peak counts tensors alive at once, not blocks kept for reuse.
     """
     strategy = loom.ShardedStrategy(timeout=60)
     warm, warm_opt = strategy.prepare(Wide(2, 64), lambda p: torch.optim.AdamW(p, lr=1e-3))
-    _two_steps(strategy, warm, warm_opt, 64)  # library code paged in now is not the model's memory
+    _step(strategy, warm, warm_opt, 64)  # library code paged in now is not the model's memory
     del warm, warm_opt
     baseline = _resident_mb()
     _reset_peak()
     with strategy.scope():
         model = Wide()
     model, opt = strategy.prepare(model, lambda p: torch.optim.AdamW(p, lr=1e-3))
-    _two_steps(strategy, model, opt, 1024)
+    _step(strategy, model, opt, 768)  # the first step holds all: parameters, gradients, and the new AdamW state
     params = sum(p.numel() for p in model.parameters())
     return {"peak_added_mb": _peak_mb() - baseline, "full_state_mb": params * 4 * 4 / 2**20,
-            "block_mb": 1024 * 1024 * 4 / 2**20, "replicas": strategy.num_replicas_in_sync}  # fmt: skip
+            "block_mb": 768 * 768 * 4 / 2**20, "replicas": strategy.num_replicas_in_sync}  # fmt: skip
 
 
-def _two_steps(strategy: loom.Strategy, model: nn.Module, opt: torch.optim.Optimizer, width: int) -> None:
-    step = strategy.train_step(model, lambda out, _: out.square().mean(), opt)
-    for _ in range(2):
-        step(torch.randn(4, width), None)
+def _step(strategy: loom.Strategy, model: nn.Module, opt: torch.optim.Optimizer, width: int) -> None:
+    strategy.train_step(model, lambda out, _: out.square().mean(), opt)(torch.randn(4, width), None)
 
 
 def _resident_mb() -> float:

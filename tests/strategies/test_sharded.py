@@ -45,7 +45,7 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def sharded(one_device: dict[str, Any]) -> list[dict[str, Any]]:
-    return run_ranks(sharded_ranks.two_ranks, 2, one_device["dir"], timeout=150)
+    return run_ranks(sharded_ranks.two_ranks, 2, one_device["dir"], timeout=240)
 
 
 def test_ten_adamw_steps_of_the_gpt_equal_one_device(sharded, one_device):
@@ -66,6 +66,14 @@ def test_each_block_is_a_unit_and_params_and_adam_state_are_halved(sharded):
         assert replica["local_params"] < 0.51 * replica["total_params"]
         assert replica["local_adam"] == replica["local_params"]
     assert sum(r["local_params"] for r in sharded) == sharded[0]["total_params"]
+
+
+def test_wrap_reshard_and_an_optimizer_built_before_prepare_do_what_they_say(sharded, one_device):
+    for replica in sharded:
+        options = replica["options"]
+        assert options["mlp_units"] == ["", *(f"blocks.{i}.mlp" for i in range(CONFIG.layers))]
+        assert not options["gathered_after_forward_True"] and options["gathered_after_forward_False"]
+        assert options["early_optimizer_norms"] == pytest.approx(one_device["norms"][:2], rel=1e-5)
 
 
 def test_a_model_built_under_scope_starts_on_meta_and_gets_one_device_s_initial_weights(sharded, one_device):
@@ -99,13 +107,15 @@ def test_bad_options_get_one_line(sharded):
         assert replica["no_reset_parameters"].startswith(
             "ValueError: a model built under strategy.scope() gets its values from reset_parameters(), which Scale lacks"
         )
-        assert "\n" not in replica["bad_wrap"] + replica["offload_on_cpu"] + replica["no_reset_parameters"]
+        assert replica["wrap_not_a_class"] == "TypeError: wrap takes nn.Module classes, e.g. wrap=[Block], not ['Block']"
+        assert replica["num_replicas"].startswith("ClusterError: ShardedStrategy(num_replicas=3) but the job has 2 process(es)")
+        assert all("\n" not in v for k, v in replica.items() if k in ("bad_wrap", "offload_on_cpu", "no_reset_parameters", "num_replicas"))
 
 
 def test_four_replicas_each_hold_a_quarter_of_a_model_one_could_not_hold(monkeypatch):
     """Params + grads + AdamW state are 4x a process's share; each adds at most its share and a few gathered blocks."""
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2**20))  # freed tensors leave the resident size (see four_ranks_memory)
-    for found in run_ranks(sharded_ranks.four_ranks_memory, 4, timeout=150):
+    for found in run_ranks(sharded_ranks.four_ranks_memory, 4, timeout=240):
         share = found["full_state_mb"] / found["replicas"]
         # beside the shard's params, grads and Adam state: a block gathered, its gradient, the reduce-scatter's
         # input and the next block prefetched (4 blocks), and 8 MiB of activations and buffers. Measured: 81 of 88.
