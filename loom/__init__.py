@@ -5,11 +5,13 @@ from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
 from loom.launch import launch
 from loom.strategies import (
+    Mesh,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
     ParameterServerStrategy,
     Strategy,
+    TensorParallelStrategy,
     auto_strategy,
     get_strategy,
     unwrap,
@@ -25,6 +27,7 @@ __all__ = [
     "EarlyStopping",
     "LaunchError",
     "LoomError",
+    "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NodeSpec",
@@ -33,6 +36,7 @@ __all__ = [
     "RankFailureError",
     "Strategy",
     "TensorBoard",
+    "TensorParallelStrategy",
     "auto_strategy",
     "comm",
     "evaluate",

@@ -8,14 +8,17 @@ from typing import Any
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from loom.strategies.mesh import Mesh
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
+from loom.strategies.tensor_parallel import TensorParallelStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "tensor_parallel": TensorParallelStrategy,
 }
 
 
@@ -44,11 +47,13 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "Strategy",
+    "TensorParallelStrategy",
     "auto_strategy",
     "get_strategy",
     "unwrap",

@@ -29,6 +29,9 @@ REFUSED = {
         "fp16_mixed": "ValueError: synchronous parameter servers cannot skip an fp16 step that overflowed",
         "clipping": "ValueError: ParameterServerStrategy cannot clip the global gradient norm",
     },
+    "tensor_parallel": {
+        "fp16_mixed": "ValueError: TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only",
+    },
 }
 
 

@@ -11,6 +11,8 @@ import argparse
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import loom
 from tests.contract.cases import CASES, run_case
@@ -38,7 +40,18 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    torch.save(results, directory / f"results-{strategy.replica_id}.pt")
+    torch.save(whole(results), directory / f"results-{dist.get_rank()}.pt")  # tensor-parallel ranks share a replica
+
+
+def whole(value):
+    """Results with every DTensor (a sharded or tensor-parallel weight) gathered into a plain tensor."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: whole(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(whole(v) for v in value)
+    return value
 
 
 if __name__ == "__main__":
