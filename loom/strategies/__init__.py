@@ -11,6 +11,8 @@ from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrate
 from loom.strategies.mesh import Mesh
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
+from loom.strategies.pipeline import PipelineStrategy
+from loom.strategies.sharded import ShardedStrategy
 from loom.strategies.tensor_parallel import TensorParallelStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
@@ -18,6 +20,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "sharded": ShardedStrategy,
+    "pipeline": PipelineStrategy,
     "tensor_parallel": TensorParallelStrategy,
 }
 
@@ -52,6 +56,8 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
     "ParameterServerStrategy",
+    "PipelineStrategy",
+    "ShardedStrategy",
     "Strategy",
     "TensorParallelStrategy",
     "auto_strategy",

@@ -40,17 +40,33 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    torch.save(whole(results), directory / f"results-{dist.get_rank()}.pt")  # tensor-parallel ranks share a replica
+    torch.save(complete(_full(results)), directory / f"results-{dist.get_rank()}.pt")  # a pipeline's processes share replica 0
 
 
-def whole(value):
-    """Results with every DTensor (a sharded or tensor-parallel weight) gathered into a plain tensor."""
+def complete(results: dict) -> dict:
+    """Each process's results with the tensors it does not hold (meta: another pipeline stage's) from the one that does."""
+    held = {case: {key: {n: t for n, t in v.items() if not t.is_meta} for key, v in got.items() if _tensors(v)} for case, got in results.items()}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, held)
+    for case, got in results.items():
+        for key, value in got.items():
+            if _tensors(value):
+                got[key] = {n: next(o[case][key][n] for o in everyone if n in o[case][key]) if t.is_meta else t for n, t in value.items()}
+    return results
+
+
+def _tensors(value: object) -> bool:
+    return isinstance(value, dict) and bool(value) and all(isinstance(t, torch.Tensor) for t in value.values())
+
+
+def _full(value):
+    """Sharded strategies' tensors (DTensors) gathered whole, as every replica's results hold them."""
     if isinstance(value, DTensor):
         return value.full_tensor()
     if isinstance(value, dict):
-        return {k: whole(v) for k, v in value.items()}
+        return {k: _full(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return type(value)(whole(v) for v in value)
+        return type(value)(_full(v) for v in value)
     return value
 
 

@@ -1,0 +1,380 @@
+"""Pipeline parallelism: the model's layers cut into stages, one stage per process.
+
+Built on ``torch.distributed.pipelining``: its stages and schedules (GPipe, 1F1B, interleaved
+1F1B, zero bubble) run each batch as micro-batches flowing through the stages. The split is
+automatic (``loom.strategies.pipeline_split``), and a process keeps only its stage: the other
+stages' weights in the module it was given are released (meta tensors).
+
+Every process of the pipeline reads the same global batch: the first stage feeds the inputs,
+the last computes the loss from the targets, and each checks the batch's shape. The loss and
+the outputs are broadcast from the last stage, so ``train_step`` returns the same loss
+everywhere and ``fit`` computes its metrics on every process. The eager loop cannot run:
+forward and backward are interleaved by the schedule, so ``backward`` refuses and points to
+``train_step``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+from loom import comm
+from loom.cluster import TorchrunEnvironment
+from loom.comm import Connection, preemption
+from loom.devices import apply_thread_budget, local_device
+from loom.errors import CheckpointMismatchError, LaunchError
+from loom.strategies.base import Strategy, unwrap
+from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
+from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
+from loom.strategies.pipeline_state import named_groups, stage_view
+from loom.strategies.pipeline_split import Layers, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
+from loom.strategies.precision import AutocastModule
+from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
+
+_SAVE_OPTIONS = ("step", "keep", "async_save", "durable")
+EAGER_REFUSAL = (
+    "PipelineStrategy runs forward and backward together in its schedule, so the eager loop (model(x) with "
+    "gradients, strategy.backward) cannot run: use step = strategy.train_step(model, loss_fn, optimizer) and "
+    "loss = step(inputs, targets), or loom.fit"
+)
+
+
+class PipelineStrategy(Strategy):
+    """Cuts the model into ``stages`` (one per process) and trains it with a pipeline schedule.
+
+    Args:
+        stages: processes in the pipeline; an error if the launch disagrees (default: all of them).
+        microbatches: micro-batches per batch (default: the number of stages); must divide it.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved_1f1b"``, ``"interleaved_zero_bubble"``
+            or ``"zbv_zero_bubble"`` (two stages per process).
+        virtual_stages: stages per process, for the interleaved and zero-bubble schedules.
+        balance: ``"params"`` (equal parameter counts) or ``"time"`` (equal measured forward and
+            backward time, on ``example_inputs``, by the first process).
+        split_points: the layers that start stages 1, 2, ... (``["blocks.4", "blocks.8"]``),
+            instead of balancing.
+        example_inputs: a batch of inputs, for ``balance="time"``.
+        precision: ``"32"`` or ``"bf16-mixed"``; ``"16-mixed"`` is refused (one stage's fp16
+            overflow would have to skip the step on every stage).
+        timeout: seconds a collective may wait (default ``LOOM_TIMEOUT``, else 300).
+        group: the pp axis: a process group or a 1-D DeviceMesh (a hybrid's sub-mesh); default
+            the whole job, which this strategy then joins.
+        dp_group: the dp axis, when pipelines are replicated: gradients are averaged over it,
+            and data is sharded over it.
+    """
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        microbatches: int | None = None,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        balance: str = "params",
+        split_points: Sequence[str] | None = None,
+        example_inputs: Any = None,
+        precision: str = "32",
+        timeout: float | None = None,
+        backend: str | None = None,
+        group: Any = None,
+        dp_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(precision=precision, timeout=timeout)
+        _check_options(schedule, virtual_stages, balance, example_inputs, precision)
+        if not TorchrunEnvironment.detect():
+            raise LaunchError(
+                "PipelineStrategy runs one stage per process: start the script with `loom run --nproc N script.py` "
+                "or call loom.launch(main) in it"
+            )
+        cluster = TorchrunEnvironment.resolve()
+        self._device = local_device(cluster.local_rank)
+        if group is None:
+            if self._device.type == "cpu":
+                apply_thread_budget(cluster.local_world_size)
+            self._connection = Connection.join(cluster, self._device, self.timeout, backend)
+        self.group = group.get_group() if hasattr(group, "get_group") else group
+        self.dp_group = dp_group
+        processes = comm.world_size(self.group)
+        if stages is not None and stages != processes:
+            raise ValueError(
+                f"PipelineStrategy(stages={stages}) runs one stage per process, and the pipeline has {processes} "
+                f"process(es): launch it with {stages} (loom run --nproc {stages}) or drop stages="
+            )
+        self.stages = processes
+        self.virtual_stages = virtual_stages
+        self.microbatches = microbatches if microbatches is not None else processes * virtual_stages
+        if self.microbatches < 1:
+            raise ValueError(f"microbatches must be a positive number, got {self.microbatches}")
+        self.schedule, self.balance, self.split_points, self.example_inputs = schedule, balance, split_points, example_inputs
+
+    # ---- topology ---------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return comm.world_size(self.dp_group) if self.dp_group is not None else 1
+
+    @property
+    def replica_id(self) -> int:
+        return comm.rank(self.dp_group) if self.dp_group is not None else 0
+
+    @property
+    def is_chief(self) -> bool:
+        return comm.rank() == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    # ---- model and optimizer ----------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:
+        """Cut ``model`` into stages, keep this process's, and build the optimizer on its parameters.
+
+        The other stages' parameters in ``model`` become meta tensors (not held here). A given
+        optimizer loses those parameters; a factory gets only this stage's.
+        """
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        layers = find_layers(model)
+        bounds = self._bounds(layers)
+        check_untied(layers, bounds)
+        self.print(describe(layers, bounds))
+        with self._guard():
+            runner = PipelineRunner(layers, bounds, self.schedule, self.microbatches, self.virtual_stages, self._device, self.precision, self.group)
+        owned = owned_tensors(layers, bounds, runner.mine)
+        _release(model, owned)
+        for tensor in owned.values():
+            tensor.data = tensor.data.to(self._device)
+        wrapped = PipelineModule(model, self, runner, owned)
+        if optimizer is None:
+            return wrapped
+        params = [p for p in model.parameters() if not p.is_meta]
+        if isinstance(optimizer, torch.optim.Optimizer):
+            inner = optimizer
+            for group in inner.param_groups:
+                group["params"] = [p for p in group["params"] if not p.is_meta and any(p is q for q in params)]
+        elif callable(optimizer):
+            inner = optimizer(params)
+        else:
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, not {type(optimizer).__name__}")
+        self._optimizers += 1
+        return wrapped, StrategyOptimizer(inner, self.precision, self._may_step)
+
+    def _bounds(self, layers: Layers) -> list[int]:
+        total = self.stages * self.virtual_stages
+        if self.balance != "time" or self.split_points is not None:
+            return split_bounds(layers, total, self.split_points)
+        chosen: list[Any] = [None]
+        if comm.rank(self.group) == 0:
+            costs = time_costs(layers, self.example_inputs)
+            chosen[0] = split_bounds(layers, total, costs=costs)
+        if comm.world_size(self.group) > 1:
+            with self._guard():
+                dist.broadcast_object_list(chosen, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return chosen[0]
+
+    def train_step(self, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                   max_grad_norm: float | None = None, accumulate: int = 1) -> TrainStep:  # fmt: skip
+        """The step runs the schedule; see ``Strategy.train_step``. Batches must split into
+        ``accumulate * microbatches`` equal micro-batches, and keep one shape."""
+        if not isinstance(model, PipelineModule) or model.strategy is not self:
+            raise TypeError("PipelineStrategy.train_step takes the model this strategy's prepare() returned")
+        return PipelineStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        raise RuntimeError(EAGER_REFUSAL)
+
+    def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """The norm of every stage's gradients together: the stages' norms combined over the pp group."""
+        grads = [p.grad for p in params if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
+        with self._guard():
+            if math.isinf(norm_type):
+                total = comm.all_reduce(local.clone(), "max", self.group)
+            else:
+                total = comm.all_reduce(local.double() ** norm_type, "sum", self.group) ** (1.0 / norm_type)
+        total = total.to(local.dtype)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def _average_over_replicas(self, params: list[nn.Parameter]) -> None:
+        if self.dp_group is None:
+            return
+        with self._guard():
+            for p in params:
+                if p.grad is not None:
+                    comm.all_reduce(p.grad, "mean", self.dp_group)
+
+    def preempted(self) -> bool:
+        """Over every process of the job: the stages of a pipeline stop together, not only its replicas."""
+        flag = torch.tensor(float(preemption.requested()), device=self._device)
+        with self._guard():
+            comm.all_reduce(flag, "max")
+        return bool(flag)
+
+    # ---- checkpoints: each stage its own tensors, under the whole model's names -----------------
+    def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
+        """Every stage writes its own tensors; together they are the whole model's checkpoint."""
+        state = {k: v for k, v in options.items() if k not in _SAVE_OPTIONS}
+        return super().save(directory, **{k: v for k, v in options.items() if k in _SAVE_OPTIONS}, **self._stage_state(state))
+
+    def restore(self, directory: Any, *, fallback: bool = False, strict: bool = True, **state: Any) -> dict[str, Any] | None:
+        """Each stage reads its own tensors from a checkpoint of the whole model (saved under any strategy).
+
+        ``strict`` holds for the stages together: a tensor no stage wants, or one a stage
+        wants and the checkpoint lacks, is an error.
+        """
+        for value in state.values():  # DCP creates missing optimizer state by a step at lr 0: on the real groups
+            if isinstance(value, torch.optim.Optimizer) and not inner_optimizer(value).state:
+                module = self._module_of(value, state)
+                if module is not None:
+                    get_optimizer_state_dict(stage_view(unwrap(module), module.owned), inner_optimizer(value))
+        staged = self._stage_state(state)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="loom: restored part")
+            restored = super().restore(directory, fallback=fallback, strict=False, **staged)
+        if restored is None or not strict:
+            return restored
+        missing, unexpected = restored.pop("missing_keys"), restored.pop("unexpected_keys")
+        everyone: list[Any] = [None] * comm.world_size(self.group)
+        with self._guard():
+            dist.all_gather_object(everyone, set(unexpected), group=self.group)
+        unwanted = sorted(set.intersection(*everyone))
+        if missing or unwanted:
+            key = (missing or unwanted)[0]
+            where = "has no tensor" if missing else "has a tensor no stage wants:"
+            raise CheckpointMismatchError(
+                f"checkpoint does not match: {restored['path']} {where} '{key}'; is it a checkpoint of this model? "
+                "(restore(..., strict=False) loads the tensors both have)"
+            )
+        return restored
+
+    def _module_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> PipelineModule | None:
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        return next((v for v in state.values() if isinstance(v, PipelineModule) and any(first is t for t in v.owned.values())), None)
+
+    def _stage_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Modules as views of this stage's tensors; their optimizers naming every stage's parameters."""
+        staged = dict(state)
+        views = {}
+        for name, value in state.items():
+            if isinstance(value, PipelineModule):
+                views[id(value)] = staged[name] = stage_view(unwrap(value), value.owned)
+        for name, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                module = self._module_of(value, state)
+                if module is not None:
+                    with self._guard():
+                        staged[name] = named_groups(views[id(module)], value, self.group)
+        return staged
+
+    # ---- cross-replica values: over the dp axis only ----------------------------------------
+    def reduce(self, value: Any, op: str = "mean") -> Any:
+        if self.dp_group is not None:
+            return _reduce_over(value, op, self.dp_group, self._device)
+        comm.collectives._op(op)  # a wrong op name still fails
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().clone()
+            return tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
+        if isinstance(value, (int, float)):
+            return float(value) if op == "mean" else value
+        raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        if self.dp_group is None:
+            return tensor.clone()
+        with self._guard():
+            return comm.all_gather(tensor, self.dp_group)
+
+
+class PipelineModule(AutocastModule):
+    """What ``prepare`` returns: the user's module (``loom.unwrap`` peels this wrapper), run as a pipeline.
+
+    Calling it runs inference through every stage (under ``torch.no_grad`` or in eval mode);
+    with gradients in training mode it refuses, pointing to ``train_step``.
+    """
+
+    def __init__(self, module: nn.Module, strategy: PipelineStrategy, runner: PipelineRunner, owned: dict[str, torch.Tensor]) -> None:
+        super().__init__(module, strategy.precision)
+        self.strategy = strategy
+        self.runner = runner
+        self.owned = owned  # this process's parameters and buffers, by their names in the model
+
+    def forward(self, inputs: Any) -> Any:  # type: ignore[override]
+        if self.training and torch.is_grad_enabled():
+            raise RuntimeError(EAGER_REFUSAL)
+        with self.strategy._guard():
+            return self.runner.forward(inputs)
+
+
+class PipelineStep(TrainStep):
+    """``loss = step(inputs, targets)``: the schedule's forward and backward, then the usual update."""
+
+    def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
+        strategy: PipelineStrategy = self.strategy  # type: ignore[assignment]
+        runner: PipelineRunner = self.model.runner  # type: ignore[union-attr]
+        size = batch_len(inputs if targets is None else targets)
+        k, m = self.accumulate, runner.microbatches
+        if size % (k * m):
+            raise ValueError(
+                f"PipelineStrategy(microbatches={m}) with accumulate={k} cannot split a batch of {size} into {k * m} "
+                f"equal micro-batches: use a batch size (per replica) divisible by {k * m}"
+            )
+        loss_fn = self.loss_fn if targets is not None else (lambda out, _: self.loss_fn(out, None))
+        losses, outputs = [], []
+        for i in range(k):
+            a, b = size * i // k, size * (i + 1) // k
+            with strategy._guard():
+                loss, out = runner.step(slice_batch(inputs, a, b), slice_batch(targets, a, b), loss_fn, 1.0 / k)
+            losses.append(loss)
+            outputs.append(out)
+        strategy._average_over_replicas(runner.parameters())
+        self._update()
+        self.outputs = outputs[0] if k == 1 else _concat(outputs)
+        return torch.stack(losses).mean()
+
+
+def _check_options(schedule: str, virtual_stages: int, balance: str, example_inputs: Any, precision: str) -> None:
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+    needed = SCHEDULES[schedule][1]
+    if not isinstance(virtual_stages, int) or virtual_stages < 1:
+        raise ValueError(f"virtual_stages must be a positive number of stages per process, got {virtual_stages!r}")
+    if needed is not None and virtual_stages != needed:
+        raise ValueError(f"schedule {schedule!r} runs {needed} stage(s) per process, got virtual_stages={virtual_stages}")
+    if needed is None and virtual_stages < 2:
+        raise ValueError(f"schedule {schedule!r} interleaves several stages per process: pass virtual_stages=2 or more")
+    if balance not in ("params", "time"):
+        raise ValueError(f"balance must be 'params' or 'time', got {balance!r}")
+    if balance == "time" and example_inputs is None:
+        raise ValueError("balance='time' times each layer on an example batch: pass example_inputs=(a batch of inputs)")
+    if precision == "16-mixed":
+        raise ValueError(
+            "PipelineStrategy cannot run precision='16-mixed': one stage's fp16 overflow would have to skip the step "
+            "on every stage; use precision='bf16-mixed'"
+        )
+
+
+def _release(model: nn.Module, owned: dict[str, torch.Tensor]) -> None:
+    """Every parameter and buffer of ``model`` not in ``owned`` becomes a meta tensor (shapes kept, no memory)."""
+    keep = {id(t) for t in owned.values()}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None and id(tensor) not in keep and not tensor.is_meta:
+                    meta = tensor.to("meta")
+                    store[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+
+
+def _reduce_over(value: Any, op: str, group: dist.ProcessGroup, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().clone()
+        if op == "mean" and not tensor.is_floating_point():
+            tensor = tensor.double()
+        return comm.all_reduce(tensor, op, group)
+    tensor = comm.all_reduce(torch.tensor(float(value), dtype=torch.float64, device=device), op, group)
+    result = tensor.item()
+    return int(result) if isinstance(value, int) and op != "mean" else result

@@ -1,0 +1,223 @@
+"""One process's share of a pipeline: its stages, the schedule that runs them, and inference.
+
+Kept apart from the strategy so that a hybrid runs the same pipeline on a sub-mesh: it takes
+the pp axis's process group, and knows nothing about data parallelism.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.strategies.pipeline_split import Layers, LastStage, build_stage
+from loom.strategies.precision import Precision
+from loom.strategies.step import batch_len, slice_batch
+
+# name -> (torch's schedule class in torch.distributed.pipelining, stages per process: None for two or more).
+# That module is imported when the first schedule is built: it costs seconds and imports torch._dynamo.
+SCHEDULES: dict[str, tuple[str, int | None]] = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", None),
+    "zbv_zero_bubble": ("ScheduleZBVZeroBubble", 2),
+}
+
+
+def stage_owners(schedule: str, processes: int, virtual_stages: int) -> list[int]:
+    """The process (in the pp group) of every stage: looped, or V-shaped for ZBV (r holds r and 2N-1-r)."""
+    total = processes * virtual_stages
+    if schedule == "zbv_zero_bubble":
+        return [s if s < processes else total - 1 - s for s in range(total)]
+    return [s % processes for s in range(total)]
+
+
+class PipelineRunner:
+    """Runs this process's stages of ``layers`` (cut at ``bounds``) in a schedule over ``group``."""
+
+    def __init__(
+        self,
+        layers: Layers,
+        bounds: Sequence[int],
+        schedule: str,
+        microbatches: int,
+        virtual_stages: int,
+        device: torch.device,
+        precision: Precision,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        processes = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.owners = stage_owners(schedule, processes, virtual_stages)
+        self.num_stages = len(self.owners)
+        self.mine = [s for s, owner in enumerate(self.owners) if owner == self.rank]
+        self.modules = {s: build_stage(layers, bounds, s) for s in self.mine}
+        self.schedule_name = schedule
+        self.microbatches = microbatches
+        self.device = device
+        self.precision = precision
+        self._schedule: Any = None
+        self._shapes: Any = None  # of the first step's micro-batch: torch's schedules keep them
+        self._loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._scale = 1.0
+        self._losses: list[torch.Tensor] = []
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.mine
+
+    @property
+    def last(self) -> bool:
+        return self.num_stages - 1 in self.mine
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _build(self) -> Any:
+        from torch.distributed import pipelining
+
+        name, per_process = SCHEDULES[self.schedule_name]
+        cls, PipelineStage = getattr(pipelining, name), pipelining.PipelineStage
+        stages = [
+            PipelineStage(self.precision.wrap(self.modules[s]), s, self.num_stages, self.device, group=self.group)
+            for s in self.mine
+        ]
+        options = dict(n_microbatches=self.microbatches, loss_fn=self._compute_loss, scale_grads=False)
+        return cls(stages[0], **options) if per_process == 1 else cls(stages, **options)
+
+    def _compute_loss(self, outputs: Any, target: Any) -> torch.Tensor:
+        assert self._loss is not None
+        loss = self._loss(outputs, target)
+        self._losses.append(loss.detach())
+        return self.precision.scale(loss * self._scale)
+
+    def _check_shapes(self, inputs: Any, targets: Any) -> None:
+        shapes = (_shapes(slice_batch(inputs, 0, self._micro)), _shapes(slice_batch(targets, 0, self._micro)))
+        if self._shapes is None:
+            self._shapes = shapes
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"PipelineStrategy: this batch's micro-batches are {_describe(shapes)} but the pipeline was built for "
+                f"{_describe(self._shapes)} at its first step (torch's schedules fix the shapes sent between stages): "
+                "give every batch the same shape (distribute(..., drop_last=True), pad sequences to one length)"
+            )
+
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> tuple[torch.Tensor, Any]:
+        """Forward and backward of one batch: every process gets the batch's mean loss and its outputs.
+
+        Each micro-batch's loss is multiplied by ``scale / microbatches`` before its backward,
+        so the gradients are those of ``scale`` times the batch's mean loss.
+        """
+        self._micro = batch_len(inputs) // self.microbatches
+        self._check_shapes(inputs, targets)
+        if self._schedule is None:
+            self._schedule = self._build()
+        self._loss, self._scale, self._losses = loss_fn, scale / self.microbatches, []
+        if self.last:
+            last = self.modules[self.num_stages - 1]
+            if isinstance(last, LastStage):
+                last.example = slice_batch(inputs, 0, self._micro)
+        args = (inputs,) if self.first else ()
+        target = (targets if targets is not None else torch.zeros(batch_len(inputs))) if self.last else None
+        outputs = self._schedule.step(*args, target=target)
+        # the first step also computes a loss while torch infers the shapes: the schedule's are the last ones
+        loss = torch.stack(self._losses[-self.microbatches :]).mean() if self.last else torch.zeros((), device=self.device)
+        return self._from_last(loss), self._from_last(outputs)
+
+    @torch.no_grad()
+    def forward(self, inputs: Any) -> Any:
+        """The whole model on ``inputs``, stage after stage (no schedule, any batch size); every process gets the outputs."""
+        activation: Any = None
+        for s in range(self.num_stages):
+            owner = self.owners[s]
+            if owner != self.rank:
+                continue
+            if s == 0:
+                activation = inputs
+            elif self.owners[s - 1] != self.rank:
+                activation = _receive(self._global(self.owners[s - 1]), self.group, self.device)
+            module = self.modules[s]
+            if isinstance(module, LastStage):
+                module.example = inputs
+            with self.precision.autocast():
+                activation = module(activation)
+            if s < self.num_stages - 1 and self.owners[s + 1] != self.rank:
+                _send(activation, self._global(self.owners[s + 1]), self.group)
+        return self._from_last(activation if self.last else None)
+
+    def _from_last(self, tree: Any) -> Any:
+        """``tree`` from the process of the last stage, on every process of the pipeline."""
+        if self.num_stages == len(self.mine):
+            return tree
+        src = self._global(self.owners[-1])
+        header = [_header(tree) if self.last else None]
+        dist.broadcast_object_list(header, src=src, group=self.group)
+        return _broadcast_tensors(tree if self.last else None, header[0], src, self.group, self.device)
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for module in self.modules.values():
+            for p in module.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def _shapes(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return (tuple(tree.shape), tree.dtype)
+    if isinstance(tree, (list, tuple)):
+        return tuple(_shapes(t) for t in tree)
+    if isinstance(tree, dict):
+        return tuple((k, _shapes(v)) for k, v in tree.items())
+    return None
+
+
+def _describe(shapes: Any) -> str:
+    inputs, targets = shapes
+    first = lambda s: list(s[0]) if isinstance(s, tuple) and s and isinstance(s[0], tuple) and all(isinstance(d, int) for d in s[0]) else s  # noqa: E731
+    return f"inputs {first(inputs)}, targets {first(targets)}"
+
+
+def _header(tree: Any) -> Any:
+    """The structure of ``tree`` with each tensor replaced by its shape and dtype."""
+    if isinstance(tree, torch.Tensor):
+        return ("tensor", tuple(tree.shape), tree.dtype)
+    if isinstance(tree, (list, tuple)):
+        return (type(tree).__name__, [_header(t) for t in tree])
+    if isinstance(tree, dict):
+        return ("dict", {k: _header(v) for k, v in tree.items()})
+    return ("value", tree)
+
+
+def _broadcast_tensors(tree: Any, header: Any, src: int, group: Any, device: torch.device) -> Any:
+    kind = header[0]
+    if kind == "tensor":
+        tensor = tree.detach().contiguous() if tree is not None else torch.empty(header[1], dtype=header[2], device=device)
+        dist.broadcast(tensor, src=src, group=group)
+        return tensor
+    if kind in ("list", "tuple"):
+        parts = [_broadcast_tensors(tree[i] if tree is not None else None, h, src, group, device) for i, h in enumerate(header[1])]
+        return parts if kind == "list" else tuple(parts)
+    if kind == "dict":
+        return {k: _broadcast_tensors(tree[k] if tree is not None else None, h, src, group, device) for k, h in header[1].items()}
+    return header[1]
+
+
+def _send(tensor: Any, dst: int, group: Any) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"a pipeline stage must hand a single tensor to the next one, not {type(tensor).__name__}")
+    dist.send_object_list([(tuple(tensor.shape), tensor.dtype)], dst=dst, group=group)
+    dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def _receive(src: int, group: Any, device: torch.device) -> torch.Tensor:
+    meta: list[Any] = [None]
+    dist.recv_object_list(meta, src=src, group=group)
+    tensor = torch.empty(meta[0][0], dtype=meta[0][1], device=device)
+    dist.recv(tensor, src=src, group=group)
+    return tensor
+

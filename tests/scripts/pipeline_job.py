@@ -1,0 +1,118 @@
+"""PipelineStrategy's checks that need two processes, in one launched job; each process saves its results.
+
+    loom run --nproc 2 pipeline_job.py --dir DIR
+
+DIR/one must hold OneDevice's checkpoint of ``model()`` (written by the test). Results go to
+DIR/results-<rank>.pt; the pipeline's checkpoint to DIR/pipeline.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import loom
+from examples.gpt_model import GPT, GPTConfig, next_byte_loss
+
+CONFIG = GPTConfig(context=8, width=16, heads=2, layers=4)
+BATCH = 8
+
+
+def model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def batches(n: int, size: int = BATCH, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(0, CONFIG.vocab, (size, CONFIG.context), generator=g) for _ in range(2)) for _ in range(n)]
+
+
+def mine(prepared) -> dict:
+    """This stage's trained tensors by their names in the model (the others are another process's)."""
+    return {k: v.detach().clone() for k, v in loom.unwrap(prepared).state_dict().items() if not v.is_meta}
+
+
+def train(strategy, steps: int, **step_options):
+    prepared, opt = strategy.prepare(model(), adamw)
+    step = strategy.train_step(prepared, next_byte_loss, opt, **step_options)
+    losses = [float(step(x, y)) for x, y in batches(steps)]
+    return prepared, opt, step, losses
+
+
+def error_of(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 - the line is the result
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True)
+    directory = Path(parser.parse_args().dir)
+    results: dict = {}
+
+    # 10 AdamW steps, clipped, against OneDevice on the same global batches
+    one_model, _, one_step, one_losses = train(loom.OneDeviceStrategy(), 10, max_grad_norm=0.5)
+    strategy = loom.PipelineStrategy(stages=2, microbatches=4, timeout=60)
+    prepared, opt, step, losses = train(strategy, 10, max_grad_norm=0.5)
+    reference = one_model.state_dict()
+    results["gpt"] = {
+        "weights": mine(prepared),
+        "reference": {k: reference[k] for k in mine(prepared)},
+        "losses": losses,
+        "reference_losses": one_losses,
+        "outputs": step.outputs.shape,
+        "eval_difference": _eval_difference(prepared, one_model),
+    }
+    x, y = batches(1, seed=7)[0]
+    results["errors"] = {
+        "shape": error_of(lambda: step(x[:, :4], y[:, :4])),
+        "microbatches": error_of(lambda: step(x[:6], y[:6])),
+        "eager": error_of(lambda: prepared(x)),
+    }
+    strategy.save(directory / "pipeline", step=10, model=prepared, optimizer=opt)
+    fresh, fresh_opt = strategy.prepare(model(), adamw)
+    strategy.restore(directory / "pipeline", model=fresh, optimizer=fresh_opt)  # a pipeline's own checkpoint
+    again, again_opt = strategy.prepare(model(), adamw)
+    strategy.restore(directory / "one", model=again, optimizer=again_opt)  # OneDevice's
+    results["restore"] = {
+        "own": mine(fresh),
+        "own_state": {k: v["exp_avg"].clone() for k, v in fresh_opt.state_dict()["state"].items()},
+        "saved_state": {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()},
+        "lr": fresh_opt.param_groups[0]["lr"],
+        "one_device": mine(again),
+        "one_device_steps": sorted({int(v["step"]) for v in again_opt.state_dict()["state"].values()}),
+    }
+
+    # every schedule: the first step's loss is the unpipelined loss, two steps equal OneDevice's
+    one, _, _, one_losses = train(loom.OneDeviceStrategy(), 2)
+    results["schedules"] = {}
+    for name, virtual in [("gpipe", 1), ("interleaved_1f1b", 2), ("interleaved_zero_bubble", 2), ("zbv_zero_bubble", 2)]:
+        pipelined, _, _, losses = train(loom.PipelineStrategy(schedule=name, virtual_stages=virtual, microbatches=4, timeout=60), 2)
+        weights = mine(pipelined)
+        results["schedules"][name] = {
+            "loss_difference": abs(losses[0] - one_losses[0]),
+            "weight_difference": max((v - one.state_dict()[k]).abs().max().item() for k, v in weights.items()),
+        }
+    torch.save(results, directory / f"results-{dist.get_rank()}.pt")
+
+
+@torch.no_grad()
+def _eval_difference(prepared, reference) -> float:
+    x, _ = batches(1, size=5, seed=3)[0]  # any batch size: inference runs stage after stage
+    prepared.eval()
+    out = prepared(x)
+    prepared.train()
+    return (out - reference(x)).abs().max().item()
+
+
+if __name__ == "__main__":
+    loom.launch(main)

@@ -1,0 +1,214 @@
+"""PipelineStrategy: the split (in this process), then one launched two-process job for the rest."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import loom
+from examples.gpt_model import GPT, GPTConfig
+from loom.strategies.pipeline_runner import stage_owners
+from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, split_bounds, time_costs
+from tests.helpers import SCRIPTS, loom_run
+from tests.scripts import pipeline_job
+
+pytestmark = pytest.mark.xdist_group("pipeline")  # the job's tests share one launch
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(context=8, width=16, heads=2, layers=4))
+
+
+def sequential() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def run_stages(model: nn.Module, bounds: list[int], x: torch.Tensor) -> torch.Tensor:
+    """The stages one after another in this process, as the pipeline runs them across processes."""
+    layers = find_layers(model)
+    out = x
+    for s in range(len(bounds) - 1):
+        stage = build_stage(layers, bounds, s)
+        if isinstance(stage, LastStage):
+            stage.example = x
+        out = stage(out)
+    return out
+
+
+@pytest.mark.parametrize("make, x", [(gpt, torch.randint(0, 256, (3, 8))), (sequential, torch.randn(5, 6))], ids=["gpt", "sequential"])
+def test_a_split_into_n_stages_gives_the_unsplit_outputs(make, x):
+    model = make()
+    layers = find_layers(model)
+    expected = model(x)
+    for stages in range(1, len(layers.names) + 1):
+        bounds = split_bounds(layers, stages)
+        assert len(bounds) == stages + 1 and all(a < b for a, b in zip(bounds, bounds[1:]))
+        assert torch.equal(run_stages(model, bounds, x), expected), bounds
+    bounds = split_bounds(layers, 2, [layers.names[-1]])
+    assert bounds == [0, len(layers.names) - 1, len(layers.names)]
+    assert torch.equal(run_stages(model, bounds, x), expected)
+
+
+def test_the_stages_hold_the_models_parameters_once():
+    """Every parameter in exactly one stage, shared with the model (the optimizer updates the model)."""
+    model = gpt()
+    layers = find_layers(model)
+    bounds = split_bounds(layers, 3)
+    held = [id(p) for s in range(3) for p in build_stage(layers, bounds, s).parameters()]
+    assert sorted(held) == sorted(id(p) for p in model.parameters())
+
+
+def test_stages_are_balanced_by_parameters_or_by_time():
+    layers = find_layers(gpt())
+    assert split_bounds(layers, 2) == [0, 2, 4]  # embeddings on the first stage, the head on the last
+    assert describe(layers, [0, 2, 4]) == (
+        "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
+    )
+    torch.manual_seed(0)
+    slow = nn.Sequential(nn.Linear(4, 64), nn.Linear(64, 4), nn.Linear(4, 4), Sleep(0.05))
+    timed = find_layers(slow)
+    costs = time_costs(timed, torch.randn(2, 4))
+    assert costs[3] >= 0.05 and costs[3] > sum(costs[:3])
+    assert split_bounds(timed, 2) == [0, 1, 4]  # 320 parameters, then 280
+    assert split_bounds(timed, 2, costs=costs) == [0, 3, 4]  # the slow layer alone
+
+
+class Sleep(nn.Module):
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return x
+
+
+def test_zbv_stages_go_down_and_back_up_the_processes():
+    assert stage_owners("1f1b", 4, 1) == [0, 1, 2, 3]
+    assert stage_owners("interleaved_1f1b", 2, 2) == [0, 1, 0, 1]
+    assert stage_owners("zbv_zero_bubble", 2, 2) == [0, 1, 1, 0]
+
+
+@pytest.mark.parametrize(
+    "build, line",
+    [
+        (lambda: split_bounds(find_layers(sequential()), 6), "PipelineStrategy cannot cut Sequential into 6 stages: it has 5 layers (0, 1, 2, 3, 4); use at most 5 stages"),
+        (lambda: split_bounds(find_layers(gpt()), 2, ["blocks.9"]), "split point 'blocks.9' names no layer of GPT; stages start at one of: blocks.1, blocks.2, blocks.3"),
+        (lambda: split_bounds(find_layers(gpt()), 3, ["blocks.2"]), "PipelineStrategy(stages=3) needs 2 split point(s)"),
+        (lambda: find_layers(nn.Linear(2, 2)), "PipelineStrategy splits an nn.Sequential, or a model whose forward runs an nn.ModuleList of blocks; Linear has neither"),
+        (lambda: loom.PipelineStrategy(schedule="1f2b"), "unknown pipeline schedule '1f2b'; choose one of: gpipe, 1f1b, interleaved_1f1b"),
+        (lambda: loom.PipelineStrategy(schedule="interleaved_1f1b"), "schedule 'interleaved_1f1b' interleaves several stages per process: pass virtual_stages=2"),
+        (lambda: loom.PipelineStrategy(schedule="zbv_zero_bubble", virtual_stages=3), "schedule 'zbv_zero_bubble' runs 2 stage(s) per process"),
+        (lambda: loom.PipelineStrategy(balance="time"), "balance='time' times each layer on an example batch: pass example_inputs="),
+        (lambda: loom.PipelineStrategy(precision="16-mixed"), "PipelineStrategy cannot run precision='16-mixed'"),
+        (lambda: loom.PipelineStrategy(), "PipelineStrategy runs one stage per process: start the script with `loom run --nproc N"),
+    ],
+    ids=["more-stages-than-layers", "unknown-split-point", "split-point-count", "no-layers", "schedule", "interleaved", "zbv", "time", "fp16", "not-launched"],
+)
+def test_bad_input_gets_one_line(build, line):
+    with pytest.raises(Exception) as error:
+        build()
+    assert str(error.value).startswith(line) and "\n" not in str(error.value), str(error.value)
+
+
+# ---- one launched job of two processes ------------------------------------------------------
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("pipeline")
+    strategy = loom.OneDeviceStrategy()
+    model, opt, _, _ = pipeline_job.train(strategy, 2)
+    strategy.save(root / "one", step=2, model=model, optimizer=opt)
+    done = loom_run(["run", "--nproc", "2", "--timeout", "60", str(SCRIPTS / "pipeline_job.py"), "--dir", str(root)], timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = [torch.load(root / f"results-{r}.pt", weights_only=True) for r in range(2)]
+    return {"root": root, "ranks": ranks, "stdout": done.stdout, "one_device": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def whole(ranks: list[dict[str, Any]], *keys: str) -> dict[str, torch.Tensor]:
+    """The stages' tensors together: each process holds its own stage's."""
+    parts = [_at(r, keys) for r in ranks]
+    assert not set(parts[0]) & set(parts[1]), "each tensor lives on one stage"
+    return parts[0] | parts[1]
+
+
+def _at(tree: dict[str, Any], keys: tuple[str, ...]) -> Any:
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_ten_adamw_steps_of_the_gpt_equal_one_device(job):
+    """Up to float reassociation: the pipeline sums 4 micro-batches' mean losses / 4 where one device
+    takes one mean, and the clipping norm adds the stages' squared norms; Adam keeps that within 2e-6."""
+    weights, reference = whole(job["ranks"], "gpt", "weights"), whole(job["ranks"], "gpt", "reference")
+    assert weights.keys() == job["one_device"].keys()
+    assert max_difference(weights, reference) <= 1e-5
+    assert max_difference(reference, pipeline_job.model().state_dict()) > 1e-3  # the steps moved the weights
+    for rank in job["ranks"]:  # every process gets the loss and the outputs, from the last stage
+        assert rank["gpt"]["losses"] == pytest.approx(rank["gpt"]["reference_losses"], abs=1e-5)
+        assert rank["gpt"]["outputs"] == torch.Size([pipeline_job.BATCH, 8, 256])
+        assert rank["gpt"]["eval_difference"] < 1e-5
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"])
+def test_every_schedules_loss_equals_the_unpipelined_loss(job, schedule):
+    for rank in job["ranks"]:
+        got = rank["schedules"][schedule]
+        assert got["loss_difference"] <= 1e-6 and got["weight_difference"] <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "case, line",
+    [
+        ("shape", "ValueError: PipelineStrategy: this batch's micro-batches are inputs [2, 4], targets [2, 4] but the pipeline was built for inputs [2, 8]"),
+        ("microbatches", "ValueError: PipelineStrategy(microbatches=4) with accumulate=1 cannot split a batch of 6 into 4 equal micro-batches"),
+        ("eager", "RuntimeError: PipelineStrategy runs forward and backward together in its schedule"),
+    ],
+)
+def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
+    for rank in job["ranks"]:
+        error = rank["errors"][case]
+        assert error.startswith(line) and "\n" not in error, error
+
+
+def test_the_split_is_printed_once_by_the_chief(job):
+    lines = [line for line in job["stdout"].splitlines() if line.startswith("pipeline split:")]
+    assert lines[0] == "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
+    assert len(lines) == 7  # seven prepares in the job, each printed by one process
+
+
+def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
+    ranks = job["ranks"]
+    trained = whole(ranks, "gpt", "weights")
+    one = loom.OneDeviceStrategy()  # the stages' checkpoint, restored whole on one device
+    model, opt = one.prepare(pipeline_job.model(), pipeline_job.adamw)
+    one.restore(job["root"] / "pipeline", model=model, optimizer=opt)
+    assert max_difference(dict(model.state_dict()), trained) == 0.0
+    assert opt.param_groups[0]["lr"] == 1e-3 and len(opt.state_dict()["state"]) == len(list(model.parameters()))
+    assert max_difference(whole(ranks, "restore", "own"), trained) == 0.0  # and into a pipeline again
+    for rank in ranks:
+        restored, saved = rank["restore"]["own_state"], rank["restore"]["saved_state"]
+        assert restored and max_difference(restored, saved) == 0.0 and rank["restore"]["lr"] == 1e-3
+        assert rank["restore"]["one_device_steps"] == [2]  # OneDevice's checkpoint, read by the stages
+    assert max_difference(whole(ranks, "restore", "one_device"), job["one_device"]) == 0.0
+
+
+def test_a_parameter_tied_across_stages_is_refused():
+    model = gpt()
+    model.head.weight = model.embed.weight  # the common tie of input and output embeddings
+    layers = find_layers(model)
+    with pytest.raises(ValueError, match=r"^embed.weight \(stage 0\) and head.weight \(stage 1\) are one tied parameter"):
+        check_untied(layers, split_bounds(layers, 2))
+    check_untied(layers, split_bounds(layers, 1))  # one stage holds both
