@@ -5,6 +5,7 @@ from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
 from loom.launch import launch
 from loom.strategies import (
+    HybridStrategy,
     Mesh,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
@@ -27,6 +28,7 @@ __all__ = [
     "ClusterError",
     "ClusterSpec",
     "EarlyStopping",
+    "HybridStrategy",
     "LaunchError",
     "LoomError",
     "Mesh",

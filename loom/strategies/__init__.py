@@ -8,6 +8,7 @@ from typing import Any
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from loom.strategies.hybrid import HybridStrategy
 from loom.strategies.mesh import Mesh
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
@@ -23,6 +24,7 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "sharded": ShardedStrategy,
     "pipeline": PipelineStrategy,
     "tensor_parallel": TensorParallelStrategy,
+    "hybrid": HybridStrategy,
 }
 
 
@@ -51,6 +53,7 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "HybridStrategy",
     "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

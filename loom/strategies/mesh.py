@@ -117,12 +117,16 @@ class MeshStrategy(Strategy):
             raise ClusterError(
                 f"{mesh} was made for {mesh.world_size} processes but the job has {self.cluster.world_size}"
             )
-        self.mesh = mesh if isinstance(mesh, Mesh) else Mesh(mesh, self.cluster.world_size)
+        self.mesh = self._layout(mesh if isinstance(mesh, Mesh) else Mesh(mesh, self.cluster.world_size))
         self._device = local_device(self.cluster.local_rank)
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None
         self._connection = Connection.join(self.cluster, self._device, self.timeout, backend)
         self.device_mesh: DeviceMesh = self.mesh.build(self._device.type)
         self._replica_group = self._replicas()
+
+    def _layout(self, mesh: Mesh) -> Mesh:
+        """The mesh this strategy builds from the user's (checked) one."""
+        return mesh
 
     @property
     def num_replicas_in_sync(self) -> int:

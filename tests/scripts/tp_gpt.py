@@ -30,16 +30,31 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
 
 
-def train(make: Callable[[], loom.Strategy]) -> dict[str, Any]:
+def merged(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The whole model's weights from the processes' results (a pipeline's stages each hold a part)."""
+    weights: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        weights.update(rank["weights"])
+    return weights
+
+
+def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict[str, Any]:
+    """``save_to``: a directory the trained model and optimizer are saved in, at the end."""
     strategy = make()
     torch.manual_seed(0)
-    model, opt = strategy.prepare(GPT(CONFIG), adamw)
+    gpt = GPT(CONFIG)
+    calls = []  # the MLP's forward calls: activation checkpointing starts them again in backward
+    gpt.blocks[-1].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    model, opt = strategy.prepare(gpt, adamw)
     step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=MAX_NORM)
     train_set, _ = splits(CONFIG.context, max_bytes=CONFIG.context * GLOBAL_BATCH * STEPS + 1, val_fraction=0.0)
     norms, losses = [], []
     for x, y in strategy.distribute(train_set, batch_size=GLOBAL_BATCH, shuffle=False):
         losses.append(float(step(x, y)))
         norms.append(float(step.grad_norm))
+    if save_to is not None:
+        strategy.save(save_to, step=STEPS, model=model, optimizer=opt)
     local = {n: tuple(p.to_local().shape) for n, p in loom.unwrap(model).named_parameters() if isinstance(p, DTensor)}
-    weights = {k: whole(v) for k, v in loom.unwrap(model).state_dict().items()}
-    return {"weights": weights, "norms": norms, "losses": losses, "local_shapes": local, "replicas": strategy.num_replicas_in_sync}
+    weights = {k: whole(v) for k, v in loom.unwrap(model).state_dict().items() if not v.is_meta}  # a pipeline stage: its own
+    return {"weights": weights, "norms": norms, "losses": losses, "local_shapes": local, "replicas": strategy.num_replicas_in_sync,
+            "mlp_calls": len(calls)}
