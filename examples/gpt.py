@@ -80,10 +80,19 @@ def train(args: argparse.Namespace) -> None:
                 strategy.print(f"step {len(losses)}: loss {losses[-1]:.4f}")
             if len(losses) == args.steps:
                 break
-    val_loss = loom.evaluate(model, next_byte_loss, val_set, batch_size=args.batch, strategy=strategy)["loss"]
+    val_loss = validation_loss(strategy, model, val_set, args.batch)
     strategy.print(f"{type(strategy).__name__}: validation loss {val_loss:.4f} after {args.steps} steps")
     if args.curve and strategy.is_chief:
         Path(args.curve).write_text(json.dumps({"strategy": args.strategy, "losses": losses, "val_loss": val_loss}))
+
+
+@torch.no_grad()
+def validation_loss(strategy: loom.Strategy, model: torch.nn.Module, data: Subset, batch: int) -> float:
+    """Mean loss over the held-out windows, in whole global batches (a pipeline runs them stage by stage)."""
+    model.eval()
+    losses = [float(strategy.reduce(next_byte_loss(model(x), y))) for x, y in strategy.distribute(data, batch_size=batch, shuffle=False, drop_last=True)]
+    model.train()
+    return sum(losses) / len(losses)
 
 
 def run_all(args: argparse.Namespace) -> int:
