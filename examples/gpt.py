@@ -124,19 +124,29 @@ def run_all(args: argparse.Namespace) -> int:
 
 
 def plot(curves: dict[str, dict], path: Path) -> None:
+    """Every strategy's loss curve, and beside it each one's distance from one device's at every step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, (ax, gap) = plt.subplots(1, 2, figsize=(13, 5))
     styles = ["-", "--", ":", "-.", (0, (5, 1)), (0, (1, 3))]
+    reference = curves.get("one_device", {}).get("losses")
     for (name, got), style in zip(curves.items(), styles):
-        ax.plot(range(1, len(got["losses"]) + 1), got["losses"], linestyle=style, label=f"{name} (val {got['val_loss']:.3f})")
+        steps = range(1, len(got["losses"]) + 1)
+        ax.plot(steps, got["losses"], linestyle=style, label=f"{name} (val {got['val_loss']:.3f})")
+        if reference and name != "one_device":
+            gap.plot(steps, [max(abs(a - b), 1e-9) for a, b in zip(got["losses"], reference)], linestyle=style, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats per byte)")
-    ax.set_title("Small GPT on the standard library's source: the same curve under every strategy")
+    ax.set_title("Small GPT on the standard library's source")
     ax.legend()
+    gap.set_yscale("log")
+    gap.set_xlabel("step")
+    gap.set_ylabel("|loss - one device's loss| (1e-9 where equal)")
+    gap.set_title("Distance from one device, step by step")
+    gap.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
