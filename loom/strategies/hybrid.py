@@ -92,6 +92,11 @@ class HybridStrategy(MeshStrategy):
         """Split, parallelise and shard ``model``; build ``optimizer`` on this process's parameters."""
         if self._pipeline is None or not isinstance(model, nn.Module):
             return super().prepare(model, optimizer)
+        if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
+            raise TypeError(
+                "HybridStrategy with a pp axis builds the optimizer on this stage's parameters once they are sharded: "
+                "pass a factory, prepare(model, lambda params: torch.optim.AdamW(params))"
+            )
         staged = self._pipeline.prepare(model)  # 1. this process keeps its stage; the others' tensors become meta
         with self._guard():
             self._parallelize(model, list(staged.runner.modules.values()))
@@ -99,11 +104,6 @@ class HybridStrategy(MeshStrategy):
         params = [p for p in model.parameters() if not p.is_meta]
         if optimizer is None:
             return staged
-        if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                "HybridStrategy with a pp axis builds the optimizer on this stage's parameters once they are sharded: "
-                "pass a factory, prepare(model, lambda params: torch.optim.AdamW(params))"
-            )
         self._optimizers += 1
         return staged, StrategyOptimizer(optimizer(params), self.precision, self._may_step)
 

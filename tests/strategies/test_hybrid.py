@@ -29,7 +29,23 @@ def _job(directory: str) -> dict:
     for name, mesh in MESHES.items():
         make = lambda mesh=mesh, name=name: loom.HybridStrategy(mesh=mesh, activation_checkpointing=name == "fsdp_x_tp", timeout=60)  # noqa: E731
         results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None)
+    results["refused"] = _refusals()
     return results
+
+
+def _refusals() -> dict[str, str]:
+    """With a pp axis: the eager loop, and an optimizer built before the stage is sharded."""
+    strategy, refused = loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], timeout=60), {}
+    gpt = GPT(tp_gpt.CONFIG)
+    for name, attempt in {
+        "backward": lambda: strategy.backward(torch.zeros((), requires_grad=True)),
+        "optimizer": lambda: strategy.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1)),
+    }.items():
+        try:
+            attempt()
+        except (RuntimeError, TypeError) as error:
+            refused[name] = f"{type(error).__name__}: {error}"
+    return refused
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +97,12 @@ def test_a_pipeline_of_shards_checkpoint_restores_on_one_device(runs):
     saved = tp_gpt.merged([rank["pp_x_fsdp"] for rank in ranks])
     assert max((model.state_dict()[k] - saved[k]).abs().max().item() for k in saved) == 0.0
     assert len(opt.state_dict()["state"]) == len(list(model.parameters())), "every stage's Adam state was saved"
+
+
+@pytest.mark.timeout(300)
+def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_one_line(runs):
+    for rank in runs[0]:
+        refused = rank["refused"]
+        assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
+        assert refused["optimizer"].startswith("TypeError: HybridStrategy with a pp axis builds the optimizer on this stage's parameters")
+        assert all("\n" not in line for line in refused.values())
