@@ -5,12 +5,12 @@ backward (and holds a known activation for its backward), so what is measured is
 schedule itself, also on a machine with fewer cores than processes. A stage's idle fraction is
 1 - (its time computing) / (the step's time); for GPipe and 1F1B, theory says
 (p-1)/(m+p-1) for p stages and m micro-batches. Interleaved 1F1B (two stages per process,
-each half the cost) must idle less than 1F1B. Peak activation memory is the largest number
+each half the cost) must idle less than 1F1B; its theory is (p-1)/(2m+p-1). Peak activation memory is the largest number
 of bytes a stage held for its backward at once: GPipe holds all m micro-batches, 1F1B at most
 p. The same 1F1B step written directly on torch.distributed.pipelining is timed beside
 loom's, for the overhead ratio.
 
-    python bench/pipeline.py [--t 0.05] [--steps 2]
+    python bench/pipeline.py [--t 0.2] [--steps 2]   # about 8 minutes, mostly sleeping
 """
 
 from __future__ import annotations
@@ -155,13 +155,19 @@ def _per_rank(got: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--t", type=float, default=0.05, help="seconds a stage's forward sleeps (backward: twice that)")
+    parser.add_argument("--t", type=float, default=0.2, help="seconds a stage's forward sleeps (backward: twice that)")
     parser.add_argument("--steps", type=int, default=2, help="timed steps per configuration (the fastest is kept)")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--replot", action="store_true", help="annotate and plot the saved results again, without measuring")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_out:
         return worker(args.worker_out, args.t, args.steps)
+    if args.replot:
+        results = json.loads((RESULTS / "pipeline.json").read_text())
+        annotate(results["runs"])
+        save("pipeline", results)
+        return plot(results, RESULTS / "pipeline.png")
     runs, raw = [], {}
     for p in args.stages:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -172,22 +178,28 @@ def main() -> None:
         runs += got["runs"]
         raw[p] = {"torch_seconds": got["raw_1f1b_m8"]["seconds"], "loom_seconds": got["loom_1f1b_m8"]["seconds"]}
         raw[p]["loom_over_torch"] = raw[p]["loom_seconds"] / raw[p]["torch_seconds"]
-    for r in runs:
-        r["theory"] = (r["p"] - 1) / (r["m"] + r["p"] - 1)
-        r["relative_error"] = abs(r["idle"] - r["theory"]) / r["theory"]
-        r["within_10_percent"] = r["schedule"] == "interleaved_1f1b" or r["relative_error"] <= 0.10
-        print(f"p={r['p']} m={r['m']:2d} {r['schedule']:16s} idle {r['idle']:.3f} (theory {r['theory']:.3f}, "
-              f"{r['relative_error']:.0%} off)  step {r['seconds']:.2f} s  peak held per stage {r['peak_bytes_per_stage']}")  # fmt: skip
-    for r in runs:
-        if r["schedule"] == "interleaved_1f1b":
-            plain = next(o for o in runs if o["schedule"] == "1f1b" and o["p"] == r["p"] and o["m"] == r["m"])
-            r["below_1f1b"] = r["idle"] < plain["idle"]
+    annotate(runs)
     for p, figures in raw.items():
         print(f"p={p} m=8 1F1B: loom {figures['loom_seconds']:.3f} s, torch.distributed.pipelining directly {figures['torch_seconds']:.3f} s: {figures['loom_over_torch']:.3f}x")
     results = {"machine": machine(), "t": args.t, "rows_per_microbatch": ROWS, "width": WIDTH, "runs": runs, "loom_vs_torch_1f1b_m8": raw}
     path = save("pipeline", results)
     plot(results, RESULTS / "pipeline.png")
     print(f"saved {path} and {RESULTS / 'pipeline.png'}")
+
+
+def annotate(runs: list[dict]) -> None:
+    """Theory beside each measurement: (p-1)/(v*m+p-1) with v stages per process (Megatron's bubble for v > 1)."""
+    for r in runs:
+        v = 2 if r["schedule"] == "interleaved_1f1b" else 1
+        r["theory"] = (r["p"] - 1) / (v * r["m"] + r["p"] - 1)
+        r["relative_error"] = abs(r["idle"] - r["theory"]) / r["theory"]
+        if v == 1:
+            r["within_10_percent"] = r["relative_error"] <= 0.10
+        else:
+            plain = next(o for o in runs if o["schedule"] == "1f1b" and o["p"] == r["p"] and o["m"] == r["m"])
+            r["below_1f1b"] = r["idle"] < plain["idle"]
+        print(f"p={r['p']} m={r['m']:2d} {r['schedule']:16s} idle {r['idle']:.3f} (theory {r['theory']:.3f}, "
+              f"{r['relative_error']:.0%} off)  step {r['seconds']:.2f} s  peak held per stage {r['peak_bytes_per_stage']}")  # fmt: skip
 
 
 def plot(results: dict, path: Path) -> None:
@@ -202,13 +214,14 @@ def plot(results: dict, path: Path) -> None:
     for p in sorted({r["p"] for r in runs}):
         ms = sorted({r["m"] for r in runs if r["p"] == p})
         ax.plot(ms, [(p - 1) / (m + p - 1) for m in ms], color="black", ls=":", lw=1)
+        ax.plot(ms, [(p - 1) / (2 * m + p - 1) for m in ms], color="gray", ls="--", lw=1)
         for schedule, marker in (("gpipe", "o"), ("1f1b", "s"), ("interleaved_1f1b", "^")):
             points = sorted((r["m"], r["idle"]) for r in runs if r["p"] == p and r["schedule"] == schedule)
             ax.plot(*zip(*points), marker=marker, label=f"{schedule}, p={p}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("idle fraction per stage")
-    ax.set_title("bubble (dotted: (p-1)/(m+p-1))", fontsize=10)
+    ax.set_title("bubble (dotted: (p-1)/(m+p-1); dashed, interleaved v=2: (p-1)/(2m+p-1))", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[1]
     for schedule in ("gpipe", "1f1b"):

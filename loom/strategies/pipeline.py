@@ -137,6 +137,13 @@ class PipelineStrategy(Strategy):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        if isinstance(optimizer, torch.optim.Optimizer):
+            ids = {id(p) for p in model.parameters()}
+            if not all(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
+                raise ValueError(
+                    "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
+                    "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
+                )
         layers = find_layers(model)
         bounds = self._bounds(layers)
         check_untied(layers, bounds)
@@ -152,9 +159,9 @@ class PipelineStrategy(Strategy):
             return wrapped
         params = [p for p in model.parameters() if not p.is_meta]
         if isinstance(optimizer, torch.optim.Optimizer):
-            inner = optimizer
-            for group in inner.param_groups:
-                group["params"] = [p for p in group["params"] if not p.is_meta and any(p is q for q in params)]
+            inner, kept = optimizer, {id(p) for p in params}
+            for group in inner.param_groups:  # the other stages' parameters are gone from the model
+                group["params"] = [p for p in group["params"] if id(p) in kept]
         elif callable(optimizer):
             inner = optimizer(params)
         else:

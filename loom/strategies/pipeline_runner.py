@@ -50,6 +50,7 @@ class PipelineRunner:
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.bounds = list(bounds)
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         processes = dist.get_world_size(group) if dist.is_initialized() else 1
         self.owners = stage_owners(schedule, processes, virtual_stages)
@@ -103,7 +104,8 @@ class PipelineRunner:
             raise ValueError(
                 f"PipelineStrategy: this batch's micro-batches are {_describe(shapes)} but the pipeline was built for "
                 f"{_describe(self._shapes)} at its first step (torch's schedules fix the shapes sent between stages): "
-                "give every batch the same shape (distribute(..., drop_last=True), pad sequences to one length)"
+                "give every batch the same shape (drop_last=True in distribute() or on the DataLoader given to fit; "
+                "pad sequences to one length)"
             )
 
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> tuple[torch.Tensor, Any]:

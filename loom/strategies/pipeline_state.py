@@ -93,7 +93,12 @@ def named_groups(view: nn.Module, optimizer: torch.optim.Optimizer, group: dist.
         others = [n for theirs in everyone for n in theirs[g] if n not in own]
         placeholders.append([_placeholder(view, n) for n in others])
         hidden += others
-    view.register_state_dict_post_hook(lambda module, state, prefix, meta: [state.pop(prefix + n, None) for n in hidden])
+
+    def hide(module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name in hidden:
+            state.pop(prefix + name, None)
+
+    view.register_state_dict_post_hook(hide)
     return NamedGroups(optimizer, placeholders)
 
 

@@ -138,7 +138,9 @@ def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, 
     """Save a trained model and optimizer under this strategy; restore OneDevice's checkpoint into it."""
     strategy = make()
     model, opt = strategy.prepare(mlp(), sgd)
-    _eager(strategy, model, opt)
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
     strategy.save(directory, step=STEPS, model=model, optimizer=opt)
     fresh, fresh_opt = strategy.prepare(mlp(), sgd)
     strategy.restore(reference, model=fresh, optimizer=fresh_opt)

@@ -37,12 +37,10 @@ REFUSED = {
     "hybrid": {
         "fp16_mixed": "ValueError: HybridStrategy cannot skip an fp16 step that overflowed on one process's part of the model only",
     },
-    # The schedule interleaves forward and backward: the eager loop (save_and_restore trains with it too;
-    # tests/strategies/test_pipeline.py saves and restores after train_step) and fp16's all-stage skip.
+    # The schedule interleaves forward and backward: the eager loop, and fp16's all-stage skip.
     "pipeline": {
         "eager_loop": f"RuntimeError: {PIPELINE_EAGER}",
         "accumulate_eager": f"RuntimeError: {PIPELINE_EAGER}",
-        "save_and_restore": f"RuntimeError: {PIPELINE_EAGER}",
         "fp16_mixed": "ValueError: PipelineStrategy cannot run precision='16-mixed'",
     },
 }

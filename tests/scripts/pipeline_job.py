@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 import loom
 from examples.gpt_model import GPT, GPTConfig, next_byte_loss
@@ -90,6 +91,35 @@ def main() -> None:
         "lr": fresh_opt.param_groups[0]["lr"],
         "one_device": mine(again),
         "one_device_steps": sorted({int(v["step"]) for v in again_opt.state_dict()["state"].values()}),
+    }
+
+    built = model()
+    kept, built_opt = strategy.prepare(built, torch.optim.SGD(built.parameters(), lr=0.1))  # a built optimizer, not a factory
+    held = [p for p in built.parameters() if not p.is_meta]
+    results["built_optimizer"] = {
+        "held": len(held),
+        "in_optimizer": [id(p) for g in built_opt.param_groups for p in g["params"]] == [id(p) for p in held],
+        "meta": sum(1 for p in built.parameters() if p.is_meta),
+    }
+
+    balanced = loom.PipelineStrategy(balance="time", example_inputs=x, timeout=60)
+    results["time_balance"] = balanced.prepare(model()).runner.bounds  # measured by the first process, used by both
+
+    # replicated pipelines (a hybrid's dp axis): here two pipelines of one stage, each reading half the batch
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    replicated = loom.PipelineStrategy(microbatches=2, group=alone[dist.get_rank()], dp_group=dist.group.WORLD, timeout=60)
+    one_model, _, _, _ = train(loom.OneDeviceStrategy(), 2)
+    twice, twice_opt = replicated.prepare(model(), adamw)
+    twice_step = replicated.train_step(twice, next_byte_loss, twice_opt)
+    data = TensorDataset(*(torch.cat(parts) for parts in zip(*batches(2))))
+    for inputs, targets in replicated.distribute(data, batch_size=BATCH, shuffle=False):  # the same global batches
+        twice_step(inputs, targets)
+    results["replicated"] = {
+        "replicas": replicated.num_replicas_in_sync,
+        "replica": replicated.replica_id,
+        "rows": twice_step.outputs.shape[0],
+        "difference": max((v - one_model.state_dict()[k]).abs().max().item() for k, v in mine(twice).items()),
+        "reduced": replicated.reduce(replicated.replica_id + 1, "sum"),
     }
 
     # every schedule: the first step's loss is the unpipelined loss, two steps equal OneDevice's

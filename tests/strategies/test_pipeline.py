@@ -186,7 +186,7 @@ def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
 def test_the_split_is_printed_once_by_the_chief(job):
     lines = [line for line in job["stdout"].splitlines() if line.startswith("pipeline split:")]
     assert lines[0] == "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
-    assert len(lines) == 7  # seven prepares in the job, each printed by one process
+    assert len(lines) == 10  # ten prepares in the job, each printed by one process
 
 
 def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
@@ -212,3 +212,25 @@ def test_a_parameter_tied_across_stages_is_refused():
     with pytest.raises(ValueError, match=r"^embed.weight \(stage 0\) and head.weight \(stage 1\) are one tied parameter"):
         check_untied(layers, split_bounds(layers, 2))
     check_untied(layers, split_bounds(layers, 1))  # one stage holds both
+
+
+def test_each_process_holds_and_optimizes_only_its_stage(job):
+    """A built optimizer loses the other stages' parameters, which the model holds as meta tensors."""
+    total = len(list(pipeline_job.model().parameters()))
+    counts = [rank["built_optimizer"] for rank in job["ranks"]]
+    assert all(c["in_optimizer"] for c in counts)
+    assert counts[0]["held"] + counts[1]["held"] == total and all(c["held"] + c["meta"] == total for c in counts)
+    assert all(c["held"] > 0 and c["meta"] > 0 for c in counts)
+
+
+def test_balance_by_time_is_measured_once_and_used_by_every_process(job):
+    bounds = [rank["time_balance"] for rank in job["ranks"]]
+    assert bounds[0] == bounds[1] and bounds[0][0] == 0 and bounds[0][-1] == 4 and len(bounds[0]) == 3
+
+
+def test_replicated_pipelines_average_gradients_over_the_dp_axis(job):
+    """What a hybrid's {"dp": 2, "pp": ...} runs: each replica reads half the global batch, and two
+    replicas' averaged gradients equal one device's on the whole batch."""
+    got = [rank["replicated"] for rank in job["ranks"]]
+    assert [g["replica"] for g in got] == [0, 1] and all(g["replicas"] == 2 and g["reduced"] == 3 for g in got)
+    assert all(g["rows"] == pipeline_job.BATCH // 2 and g["difference"] <= 1e-5 for g in got)
