@@ -5,6 +5,8 @@ from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
 from loom.launch import launch
 from loom.strategies import (
+    HybridStrategy,
+    Mesh,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -12,6 +14,7 @@ from loom.strategies import (
     PipelineStrategy,
     ShardedStrategy,
     Strategy,
+    TensorParallelStrategy,
     auto_strategy,
     get_strategy,
     unwrap,
@@ -25,8 +28,10 @@ __all__ = [
     "ClusterError",
     "ClusterSpec",
     "EarlyStopping",
+    "HybridStrategy",
     "LaunchError",
     "LoomError",
+    "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NodeSpec",
@@ -37,6 +42,7 @@ __all__ = [
     "ShardedStrategy",
     "Strategy",
     "TensorBoard",
+    "TensorParallelStrategy",
     "auto_strategy",
     "comm",
     "evaluate",

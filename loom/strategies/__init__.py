@@ -8,10 +8,13 @@ from typing import Any
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from loom.strategies.hybrid import HybridStrategy
+from loom.strategies.mesh import Mesh
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.pipeline import PipelineStrategy
 from loom.strategies.sharded import ShardedStrategy
+from loom.strategies.tensor_parallel import TensorParallelStrategy
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
@@ -20,6 +23,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "parameter_server": ParameterServerStrategy,
     "sharded": ShardedStrategy,
     "pipeline": PipelineStrategy,
+    "tensor_parallel": TensorParallelStrategy,
+    "hybrid": HybridStrategy,
 }
 
 
@@ -48,6 +53,8 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "HybridStrategy",
+    "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
@@ -55,6 +62,7 @@ __all__ = [
     "PipelineStrategy",
     "ShardedStrategy",
     "Strategy",
+    "TensorParallelStrategy",
     "auto_strategy",
     "get_strategy",
     "unwrap",

@@ -17,9 +17,9 @@ from tests.contract.cases import CASES, run_case, save_reference
 from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
-STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline"]
+STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline", "tensor_parallel", "hybrid"]
 # Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
-ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline"]
+ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid"]
 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:

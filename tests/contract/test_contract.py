@@ -31,6 +31,12 @@ REFUSED = {
         "fp16_mixed": "ValueError: synchronous parameter servers cannot skip an fp16 step that overflowed",
         "clipping": "ValueError: ParameterServerStrategy cannot clip the global gradient norm",
     },
+    "tensor_parallel": {
+        "fp16_mixed": "ValueError: TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only",
+    },
+    "hybrid": {
+        "fp16_mixed": "ValueError: HybridStrategy cannot skip an fp16 step that overflowed on one process's part of the model only",
+    },
     # The schedule interleaves forward and backward: the eager loop, and fp16's all-stage skip.
     "pipeline": {
         "eager_loop": f"RuntimeError: {PIPELINE_EAGER}",

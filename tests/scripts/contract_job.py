@@ -27,11 +27,15 @@ def main() -> None:
         run_strategy(name, Path(args.dir) / name)
 
 
+# What a strategy needs to run on the contract's two processes: Hybrid's mesh (tensor parallel, then FSDP over a replica of one).
+OPTIONS = {"hybrid": {"mesh": {"dp": 1, "tp": 2}}}
+
+
 def run_strategy(strategy_name: str, directory: Path) -> None:
-    strategy = loom.get_strategy(strategy_name, timeout=60)
+    strategy = loom.get_strategy(strategy_name, timeout=60, **OPTIONS.get(strategy_name, {}))
 
     def make(**options):
-        return loom.get_strategy(strategy_name, timeout=60, **options)
+        return loom.get_strategy(strategy_name, timeout=60, **OPTIONS.get(strategy_name, {}), **options)
 
     results = {}
     for name in CASES:

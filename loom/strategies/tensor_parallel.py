@@ -1,0 +1,202 @@
+"""Tensor parallelism on DTensor: every process holds a slice of each split layer's weights.
+
+A Linear pair is split column-wise, then row-wise: the first layer's output features (an
+MLP's hidden units, attention's heads) are divided between the processes, each computes
+its slice, and the second layer's partial sums are all-reduced, once per pair. Embeddings
+are split by rows (the vocabulary) and the output layer by columns, its logits gathered so
+the loss sees them whole. Layers the plan does not name stay whole on every process.
+
+Every process of the tensor-parallel group reads the same batch, so one group is one
+replica. Equal to one device up to float reassociation: a row-wise layer adds its partial
+sums in another order than one matmul does (about 1e-7 relative in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from fnmatch import fnmatch
+from typing import Mapping, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from loom.strategies.mesh import MeshStrategy
+
+# The styles a plan names. "output" is column-wise with its outputs gathered (a model's last
+# layer, whose logits the loss needs whole); "embedding" splits an nn.Embedding's rows.
+STYLES = {
+    "colwise": lambda: ColwiseParallel(),
+    "rowwise": lambda: RowwiseParallel(),
+    "output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "embedding": lambda: RowwiseParallel(input_layouts=Replicate()),
+}
+Plan = Mapping[str, Union[str, ParallelStyle]]
+
+# Names of the common transformer layouts (GPT-2, Llama, BERT, nanoGPT): the first side of a
+# pair is split by columns, the second by rows.
+COLWISE_NAMES = {"q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "wq", "wk", "wv",
+                 "fc", "fc1", "c_fc", "w1", "w3", "gate_proj", "up_proj", "up"}  # fmt: skip
+ROWWISE_NAMES = {"proj", "o_proj", "out_proj", "wo", "c_proj", "fc2", "w2", "down_proj", "down", "dense"}
+OUTPUT_NAMES = {"head", "lm_head", "output"}
+
+
+class TensorParallelStrategy(MeshStrategy):
+    """Every process holds a slice of each split layer; all of them together are one replica.
+
+    Args:
+        plan: module name (``fnmatch`` patterns allowed, e.g. ``"blocks.*.mlp.fc"``) to style:
+            ``"colwise"``, ``"rowwise"``, ``"output"``, ``"embedding"``, or a torch
+            ``ParallelStyle``. Default: ``default_plan(model, degree)``.
+        precision, timeout, backend: as for ``MirroredStrategy``.
+
+    The model must not hard-code sizes that the split divides: attention must reshape to
+    ``(batch, time, -1, head_dim)``, as each process holds ``heads / degree`` heads.
+    """
+
+    def __init__(
+        self, plan: Plan | None = None, precision: str = "32", timeout: float | None = None, backend: str | None = None
+    ) -> None:
+        if precision == "16-mixed":
+            raise ValueError(
+                "TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only: "
+                "use precision='bf16-mixed', which needs no loss scaling"
+            )
+        super().__init__({"tp": -1}, precision=precision, timeout=timeout, backend=backend)
+        self.plan = plan
+
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        return tensor_parallelize(module, self.device_mesh, self.plan)
+
+    def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        return clip_grad_norm(params, max_norm, norm_type)
+
+
+def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan | None = None) -> nn.Module:
+    """Split ``module``'s layers over ``mesh`` (1-D, or the ``"tp"`` dimension of a larger one), in place."""
+    if mesh.ndim > 1:
+        mesh = mesh["tp"]
+    plan = default_plan(module, mesh.size()) if plan is None else plan
+    return parallelize_module(module, mesh, resolve_plan(module, plan))
+
+
+def resolve_plan(module: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
+    """``plan``'s styles as torch's objects, after checking that every name matches a layer."""
+    layers = dict(module.named_modules())
+    styles = {}
+    for name, style in plan.items():
+        matched = [n for n in layers if fnmatch(n, name)] if any(c in name for c in "*?[") else [name] * (name in layers)
+        if not matched:
+            close = [n for n, m in layers.items() if isinstance(m, (nn.Linear, nn.Embedding))][:6]
+            raise ValueError(
+                f"the tensor-parallel plan names {name!r}, which is not a module of {type(module).__name__}; "
+                f"name its layers as named_modules() does, e.g. {', '.join(close) or 'none'}"
+            )
+        if isinstance(style, ParallelStyle):
+            styles[name] = style
+        elif style in STYLES:
+            styles[name] = STYLES[style]()
+        else:
+            raise ValueError(f"unknown tensor-parallel style {style!r} for {name!r}; choose one of: {', '.join(STYLES)}")
+    return styles
+
+
+def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
+    """Split the Linear pairs, embeddings and output layer that the common layouts name.
+
+    A pair is a module's column-side children (``q``/``k``/``v``, ``fc``, ``w1``/``w3``, ...)
+    with its one row-side child (``proj``, ``o_proj``, ``w2``, ...), or two Linear layers of an
+    ``nn.Sequential`` with only parameter-free layers between them. Layers whose split size
+    ``degree`` does not divide stay whole.
+    """
+    plan: dict[str, str] = {}
+    for prefix, parent in module.named_modules():
+        at = f"{prefix}." if prefix else ""
+        linears = {n: c for n, c in parent.named_children() if isinstance(c, nn.Linear)}
+        if isinstance(parent, nn.Sequential):
+            _sequential_pairs(parent, at, degree, plan)
+            continue
+        cols = {n: c for n, c in linears.items() if n in COLWISE_NAMES}
+        rows = [n for n in linears if n in ROWWISE_NAMES]
+        if cols and len(rows) == 1 and all(c.out_features % degree == 0 for c in cols.values()) and linears[rows[0]].in_features % degree == 0:
+            plan.update({f"{at}{n}": "colwise" for n in cols})
+            plan[f"{at}{rows[0]}"] = "rowwise"
+    for name, child in module.named_children():
+        if isinstance(child, nn.Embedding) and child.num_embeddings % degree == 0 and child.max_norm is None:
+            plan[name] = "embedding"
+        elif isinstance(child, nn.Linear) and name in OUTPUT_NAMES and child.out_features % degree == 0:
+            plan[name] = "output"
+    if not plan:
+        raise ValueError(
+            f"found no layers of {type(module).__name__} to split over {degree} processes (Linear pairs named like "
+            "attn.q/k/v/proj and mlp.fc/proj, or nn.Sequential Linear pairs): pass plan={'layer': 'colwise', ...}"
+        )
+    return plan
+
+
+def _sequential_pairs(seq: nn.Sequential, at: str, degree: int, plan: dict[str, str]) -> None:
+    first: tuple[str, nn.Linear] | None = None
+    for name, child in seq.named_children():
+        if isinstance(child, nn.Linear):
+            if first is None:
+                first = (name, child)
+                continue
+            if first[1].out_features % degree == 0:
+                plan[f"{at}{first[0]}"], plan[f"{at}{name}"] = "colwise", "rowwise"
+                first = None
+                continue
+            first = (name, child)
+        elif any(True for _ in child.parameters()) or len(child._modules):
+            first = None  # a layer between them that mixes features: not an element-wise pair
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over whole gradients, some of them DTensor shards; ``groups``
+    hold the other parts of the model outright (pipeline stages)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = global_grad_norm(grads, float(norm_type), groups)
+    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coefficient.to(g.dtype))
+    return total
+
+
+def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """The norm of all the whole gradients, on every process.
+
+    A DTensor's local norms are combined over the mesh dimensions it is sharded on (one
+    collective per group of gradients placed alike), never over those it is replicated on,
+    where every process holds the same values. Plain tensors are whole already.
+    """
+    inf = math.isinf(norm_type)
+    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+    parts: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
+    for g in grads:
+        key: tuple[DeviceMesh | None, tuple[int, ...]] = (None, ())
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):  # unreduced summands: their norms do not add
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+            key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate()))
+            g = g.to_local()
+        norm = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.promote_types(g.dtype, torch.float32))
+        parts.setdefault(key, []).append(norm if inf else norm**norm_type)
+    totals = [torch.zeros((), device=_device(grads, groups))]  # a stage may hold no gradient
+    for (mesh, dims), values in parts.items():
+        total = torch.stack(values).max() if inf else torch.stack(values).sum()
+        for dim in dims:
+            dist.all_reduce(total, op, group=mesh.get_group(dim))
+        totals.append(total.to(totals[0].device))
+    combined = torch.stack(totals).max() if inf else torch.stack(totals).sum()
+    for group in groups:
+        dist.all_reduce(combined, op, group=group)
+    return combined if inf else combined ** (1.0 / norm_type)
+
+
+def _device(grads: list[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> torch.device:
+    if grads:
+        return grads[0].device
+    return torch.device("cuda", torch.cuda.current_device()) if groups and dist.get_backend(groups[0]) == "nccl" else torch.device("cpu")

@@ -1,0 +1,60 @@
+"""The model-parallel equivalence run: 10 clipped AdamW steps of a tiny GPT on real text.
+
+``train(make)`` runs in every rank of a job (``tests.helpers.run_ranks``) and in the test
+process under OneDeviceStrategy; each returns the whole weights (DTensor shards gathered)
+and the norms before clipping. The batch is the same global batch whatever the strategy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+import loom
+from examples.gpt_model import GPT, GPTConfig, next_byte_loss, splits
+
+CONFIG = GPTConfig(context=16, width=32, heads=4, layers=2)
+GLOBAL_BATCH, STEPS, MAX_NORM = 8, 10, 0.5
+
+
+def adamw(params: Any) -> torch.optim.Optimizer:
+    """eps=1e-6: attention's key bias has a gradient of zero in exact arithmetic (softmax ignores a
+    shift shared by every key), so in floats it is rounding noise, which Adam's default eps of 1e-8
+    would turn into lr-sized steps of random sign, differently under any change of summation order."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.1)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def merged(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """The whole model's weights from the processes' results (a pipeline's stages each hold a part)."""
+    weights: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        weights.update(rank["weights"])
+    return weights
+
+
+def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict[str, Any]:
+    """``save_to``: a directory the trained model and optimizer are saved in, at the end."""
+    strategy = make()
+    torch.manual_seed(0)
+    gpt = GPT(CONFIG)
+    calls = []  # the MLP's forward calls: activation checkpointing starts them again in backward
+    gpt.blocks[-1].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    model, opt = strategy.prepare(gpt, adamw)
+    step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=MAX_NORM)
+    train_set, _ = splits(CONFIG.context, max_bytes=CONFIG.context * GLOBAL_BATCH * STEPS + 1, val_fraction=0.0)
+    norms, losses = [], []
+    for x, y in strategy.distribute(train_set, batch_size=GLOBAL_BATCH, shuffle=False):
+        losses.append(float(step(x, y)))
+        norms.append(float(step.grad_norm))
+    if save_to is not None:
+        strategy.save(save_to, step=STEPS, model=model, optimizer=opt)
+    local = {n: tuple(p.to_local().shape) for n, p in loom.unwrap(model).named_parameters() if isinstance(p, DTensor)}
+    weights = {k: whole(v) for k, v in loom.unwrap(model).state_dict().items() if not v.is_meta}  # a pipeline stage: its own
+    return {"weights": weights, "norms": norms, "losses": losses, "local_shapes": local, "replicas": strategy.num_replicas_in_sync,
+            "mlp_calls": len(calls)}
