@@ -10,12 +10,15 @@ from loom.strategies.base import Strategy, unwrap
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
+from loom.strategies.xla import TPUStrategy  # imports JAX only when one is created
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "tpu": TPUStrategy,
+    "xla": TPUStrategy,
 }
 
 
@@ -49,6 +52,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "Strategy",
+    "TPUStrategy",
     "auto_strategy",
     "get_strategy",
     "unwrap",

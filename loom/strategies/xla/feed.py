@@ -50,6 +50,7 @@ class DeviceLoader:
         self._put = put
         self.depth = depth
         self._read = self._handed = 0  # batches read from ``inner`` (by the thread), handed out (by the loop)
+        self._lock = threading.Lock()
 
     def __getattr__(self, name: str) -> Any:  # global_batch, steps_per_epoch, device, set_epoch, ...
         if name == "inner":
@@ -64,32 +65,41 @@ class DeviceLoader:
 
     def state_dict(self) -> dict[str, Any]:
         """The inner position, less what was read ahead: resuming gives exactly the next batch."""
-        state = dict(self.inner.state_dict())
-        state["batch"] -= self._read - self._handed
+        with self._lock:
+            state = dict(self.inner.state_dict())
+            state["batch"] -= self._read - self._handed
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state)
 
     def _feed(self, batches: Iterator[Any], out: queue.Queue, stop: threading.Event) -> None:
+        def offer(item: Any) -> bool:
+            """Wait for room in the queue, unless the loop has stopped taking batches."""
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         try:
-            for batch in batches:
+            while True:
+                with self._lock:  # the position the loop sees moves with what was read
+                    batch = next(batches, _END)
+                    if batch is _END:
+                        break
+                    self._read += 1
                 batch = pad_to(batch, self.devices)
                 for t in torch_pytree.tree_leaves(batch):
                     if isinstance(t, torch.Tensor):
                         setattr(t, _DEVICE_COPY, self._put(t))
-                self._read += 1
-                while not stop.is_set():
-                    try:
-                        out.put(batch, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
+                if not offer(batch):
                     return
-            out.put(_END)
+            offer(_END)
         except BaseException as error:  # noqa: BLE001 - re-raised in the training loop
-            out.put(error)
+            offer(error)
 
     def __iter__(self) -> Iterator[Any]:
         self._read = self._handed = 0

@@ -10,6 +10,7 @@ partitioner puts the cross-device all-reduce of the gradients into the program i
 from __future__ import annotations
 
 import functools
+import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from torch.utils import _pytree as torch_pytree
 
 from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.step import LossFn, TrainStep, batch_len
+from loom.strategies.xla.export import export_requested, export_step
 from loom.strategies.xla.optim import GroupRule, group_hypers, group_rules, update
 from loom.strategies.xla.runtime import environment
 from loom.strategies.xla.state import DeviceState, to_torch
@@ -61,7 +63,7 @@ class XLATrainStep(TrainStep):
         state = self.state
         state.upload()
         rules = group_rules(state.optimizer)
-        size = batch_len(inputs if targets is None else targets) // strategy.num_replicas_in_sync
+        size = batch_len(inputs if targets is None else targets) * strategy.num_replicas_in_sync // strategy.data_parallel_size
         micro = min(self.accumulate, size)
         key = (rules, micro)
         if key not in self._programs:
@@ -73,6 +75,12 @@ class XLATrainStep(TrainStep):
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         if self.strategy._accumulation_steps != 1:
             raise RuntimeError("train_step runs its own accumulation: pass accumulate=k to train_step() instead of calling it inside strategy.accumulate()")
+        requested = export_requested()
+        if requested is not None:  # under `loom xla export`: write this step, train nothing, end the script
+            out, platforms = requested
+            export_step(self, inputs, targets, out, platforms)
+            print(f"wrote {out}: the training step lowered for {', '.join(platforms)}", flush=True)
+            raise SystemExit(0)
         fn, args = self.program(inputs, targets)
         state = self.state
         state.params, state.buffers, state.slots, state.steps, loss, self.outputs, norm = fn(*args)
@@ -80,7 +88,7 @@ class XLATrainStep(TrainStep):
         self.grad_norm = norm if self.max_grad_norm is not None else None
         if self.scheduler is not None:
             with warnings.catch_warnings():  # torch's optimizer.step() never ran: the program made the update
-                warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step()` before `optimizer.step()`")
+                warnings.filterwarnings("ignore", re.escape("Detected call of `lr_scheduler.step()` before `optimizer.step()`"))
                 self.scheduler.step()
         return to_torch(loss)
 

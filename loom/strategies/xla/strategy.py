@@ -54,15 +54,21 @@ class TPUStrategy(Strategy):
         self._states: weakref.WeakKeyDictionary[nn.Module, DeviceState] = weakref.WeakKeyDictionary()
         self._key = self._jax.random.key(seed)
 
-    # ---- topology: the replicas are the data axis's devices; a process drives a host's devices
+    # ---- topology: a replica of the loop is a host's process, which drives all of its devices
     @property
     def num_replicas_in_sync(self) -> int:
-        return self.plan.data_size
+        """Processes (one per host) feeding the step: each gets its hosts' share of every global batch."""
+        return self._jax.process_count()
 
     @property
     def replica_id(self) -> int:
-        """This host's index (one process per host); 0 on one machine."""
+        """This host's index; 0 on one machine."""
         return self._jax.process_index()
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Devices on the mesh's ``data`` axis: each computes the gradient of its slice of the batch."""
+        return self.plan.data_size
 
     @property
     def device(self) -> torch.device:
@@ -103,7 +109,7 @@ class TPUStrategy(Strategy):
         if batch is None:
             return None
         sharding = self.plan.batch()
-        local = self.plan.data_size // self._jax.process_count()
+        local = self.plan.data_size // self.num_replicas_in_sync
 
         def put(t: torch.Tensor) -> Any:
             copy = feed.attached(t)
@@ -138,9 +144,9 @@ class TPUStrategy(Strategy):
         else:
             inner = DistributedLoader(data, batch_size, hosts, host, self.device, shuffle=shuffle, seed=seed,
                                       drop_last=drop_last, num_workers=num_workers, collate_fn=collate_fn)  # fmt: skip
-        check_global_batch(inner.global_batch, self.num_replicas_in_sync)
+        check_global_batch(inner.global_batch, self.data_parallel_size)
         sharding = self.plan.batch()
-        return feed.DeviceLoader(inner, self.num_replicas_in_sync // hosts, lambda t: feed.device_array(t, sharding))
+        return feed.DeviceLoader(inner, self.data_parallel_size // hosts, lambda t: feed.device_array(t, sharding))
 
     # ---- values across hosts --------------------------------------------------------------------
     def reduce(self, value: torch.Tensor | int | float, op: str = "mean") -> Any:
