@@ -29,6 +29,13 @@ REFUSED = {
         "fp16_mixed": "ValueError: synchronous parameter servers cannot skip an fp16 step that overflowed",
         "clipping": "ValueError: ParameterServerStrategy cannot clip the global gradient norm",
     },
+    "tpu": {  # one compiled program per step: gradients come from JAX, and XLA devices run bfloat16
+        "eager_loop": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
+        "accumulate_eager": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
+        "fp16_mixed": "ValueError: TPUStrategy runs mixed precision in bfloat16",
+        # this case trains with the eager loop; TPUStrategy's checkpoints move both ways in tests/strategies/test_xla.py
+        "save_and_restore": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
+    },
 }
 
 
