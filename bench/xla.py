@@ -6,7 +6,7 @@ devices next to torch's eager step on the same global batch (SGD with momentum, 
 Each device count needs its own process (XLA_FLAGS is read when JAX starts), so this script
 runs itself once per count.
 
-    python bench/xla.py [--steps 20] [--warmup 3]
+    python bench/xla.py [--steps 10] [--rounds 2] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -45,34 +45,48 @@ def sgd(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
-def run(strategy: loom.Strategy, name: str, steps: int, warmup: int) -> dict[str, float]:
-    """Seconds of the first step (compiling, for XLA) and steps/s after ``warmup`` more."""
-    _, build, shape = WORKLOADS[name]
-    torch.manual_seed(0)
-    model, opt = strategy.prepare(build(), sgd)
-    step = strategy.train_step(model, F.cross_entropy, opt)
-    batches = iter(strategy.distribute(data(shape, 1 + warmup + steps), batch_size=BATCH, shuffle=False))
-    start = time.perf_counter()
-    float(step(*next(batches)))  # reading the loss waits for the step
-    first = time.perf_counter() - start
-    for _ in range(warmup):
-        float(step(*next(batches)))
-    start = time.perf_counter()
-    for _ in range(steps):
-        loss = step(*next(batches))
-    float(loss)
-    return {"first_step_s": first, "steps_per_s": steps / (time.perf_counter() - start)}
+class Runner:
+    """A workload's step under one strategy, built once and timed in blocks."""
+
+    def __init__(self, strategy: loom.Strategy, name: str, batches: int) -> None:
+        _, build, shape = WORKLOADS[name]
+        torch.manual_seed(0)
+        model, opt = strategy.prepare(build(), sgd)
+        self.step = strategy.train_step(model, F.cross_entropy, opt)
+        self.batches = iter(strategy.distribute(data(shape, batches), batch_size=BATCH, shuffle=False))
+        self.first_step_s = self.block(1)  # compiling, for XLA
+
+    def block(self, steps: int) -> float:
+        """Seconds for ``steps`` steps; reading the last loss waits for them."""
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = self.step(*next(self.batches))
+        float(loss)
+        return time.perf_counter() - start
 
 
 def child(args: argparse.Namespace) -> None:
-    strategy = loom.TPUStrategy()
-    print(json.dumps({name: run(strategy, name, args.steps, args.warmup) for name in WORKLOADS}))
+    """XLA and eager torch in alternating blocks in this process, so load on the machine hits both alike."""
+    results = {}
+    for name in WORKLOADS:
+        batches = 1 + args.warmup + args.rounds * args.steps
+        xla, eager = Runner(loom.TPUStrategy(), name, batches), Runner(loom.OneDeviceStrategy(), name, batches)
+        xla.block(args.warmup)
+        eager.block(args.warmup)
+        seconds = {"xla": 0.0, "eager": 0.0}
+        for _ in range(args.rounds):
+            seconds["xla"] += xla.block(args.steps)
+            seconds["eager"] += eager.block(args.steps)
+        steps = args.rounds * args.steps
+        results[name] = {"compile_s": xla.first_step_s, "xla_steps_per_s": steps / seconds["xla"], "eager_steps_per_s": steps / seconds["eager"]}
+    print(json.dumps(results))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--rounds", type=int, default=2, help="blocks of each contender, alternating")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # set by the parent for its children
     args = parser.parse_args()
     if args.devices:
@@ -80,26 +94,22 @@ def main() -> None:
     xla = {}
     for devices in (1, 8):
         env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-        done = subprocess.run([sys.executable, __file__, "--devices", str(devices), "--steps", str(args.steps), "--warmup", str(args.warmup)],
+        options = ["--steps", str(args.steps), "--rounds", str(args.rounds), "--warmup", str(args.warmup)]
+        done = subprocess.run([sys.executable, __file__, "--devices", str(devices), *options],
                               capture_output=True, text=True, env=env, check=True)  # fmt: skip
         xla[devices] = json.loads(done.stdout.strip().splitlines()[-1])
-    eager = {name: run(loom.OneDeviceStrategy(), name, args.steps, args.warmup) for name in WORKLOADS}
-    results: dict[str, Any] = {"machine": machine(), "steps": args.steps, "note": "virtual XLA CPU devices on a shared, loaded machine", "workloads": {}}
+    results: dict[str, Any] = {"machine": machine(), "steps": args.rounds * args.steps, "workloads": {},
+                               "note": "virtual XLA CPU devices on a shared, loaded machine; eager torch timed in the same process"}  # fmt: skip
     for name, (description, _, _) in WORKLOADS.items():
-        row = {
-            "description": description,
-            "xla_compile_s": xla[1][name]["first_step_s"],
-            "xla_compile_s_8_devices": xla[8][name]["first_step_s"],
-            "eager_torch_steps_per_s": eager[name]["steps_per_s"],
-            "xla_1_device_steps_per_s": xla[1][name]["steps_per_s"],
-            "xla_8_devices_steps_per_s": xla[8][name]["steps_per_s"],
-        }
-        row["xla_1_device_vs_eager"] = row["xla_1_device_steps_per_s"] / row["eager_torch_steps_per_s"]
-        row["xla_8_devices_vs_eager"] = row["xla_8_devices_steps_per_s"] / row["eager_torch_steps_per_s"]
+        row: dict[str, Any] = {"description": description}
+        for devices in (1, 8):
+            got = xla[devices][name]
+            row[f"{devices}_device"] = {**got, "xla_vs_eager": got["xla_steps_per_s"] / got["eager_steps_per_s"]}
         results["workloads"][name] = row
-        print(f"{name} ({description}): compile {row['xla_compile_s']:.2f}s (1 device), {row['xla_compile_s_8_devices']:.2f}s (8); "
-              f"steps/s eager torch {row['eager_torch_steps_per_s']:.1f}, XLA 1 device {row['xla_1_device_steps_per_s']:.1f} "
-              f"({row['xla_1_device_vs_eager']:.2f}x), 8 devices {row['xla_8_devices_steps_per_s']:.1f} ({row['xla_8_devices_vs_eager']:.2f}x)")  # fmt: skip
+        one, eight = row["1_device"], row["8_device"]
+        print(f"{name} ({description}): compile {one['compile_s']:.1f}s (1 device), {eight['compile_s']:.1f}s (8); steps/s "
+              f"1 device {one['xla_steps_per_s']:.1f} vs eager torch {one['eager_steps_per_s']:.1f} ({one['xla_vs_eager']:.2f}x), "
+              f"8 devices {eight['xla_steps_per_s']:.1f} vs {eight['eager_steps_per_s']:.1f} ({eight['xla_vs_eager']:.2f}x)")  # fmt: skip
     print(f"wrote {save('xla', results)}")
 
 

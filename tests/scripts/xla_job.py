@@ -150,7 +150,7 @@ def main() -> None:
     out["after_restore_one"] = weights(ref)
 
     # `loom xla export`, in this process (JAX already has its 8 devices)
-    out["cli_export"] = cli.main(["xla", "export", "--platform", "tpu", str(SCRIPTS / "xla_train.py"), str(directory / "cli_export")])
+    out["cli_export"] = cli.main(["xla", "export", str(SCRIPTS / "xla_train.py"), "--platform", "tpu", str(directory / "cli_export")])
     torch.save(out, directory / "results.pt")
 
 

@@ -18,10 +18,10 @@ import threading
 from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils import _pytree as torch_pytree
 
 from loom.strategies.step import batch_len
 from loom.strategies.xla.state import to_numpy
+from loom.strategies.xla.tree import leaves, map_tensors
 
 _DEVICE_COPY = "_loom_xla_copy"  # the attribute a fed host tensor carries its device array in
 _END = object()
@@ -38,7 +38,7 @@ def pad_to(batch: Any, devices: int) -> Any:
     if rows % devices == 0:
         return batch
     index = torch.arange(math.ceil(rows / devices) * devices) % rows
-    return torch_pytree.tree_map_only(torch.Tensor, lambda t: t[index], batch)
+    return map_tensors(lambda t: t[index], batch)
 
 
 class DeviceLoader:
@@ -92,7 +92,7 @@ class DeviceLoader:
                         break
                     self._read += 1
                 batch = pad_to(batch, self.devices)
-                for t in torch_pytree.tree_leaves(batch):
+                for t in leaves(batch):
                     if isinstance(t, torch.Tensor):
                         setattr(t, _DEVICE_COPY, self._put(t))
                 if not offer(batch):

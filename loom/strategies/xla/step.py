@@ -15,7 +15,6 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils import _pytree as torch_pytree
 
 from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.step import LossFn, TrainStep, batch_len
@@ -23,6 +22,7 @@ from loom.strategies.xla.export import export_requested, export_step
 from loom.strategies.xla.optim import GroupRule, group_hypers, group_rules, update
 from loom.strategies.xla.runtime import environment
 from loom.strategies.xla.state import DeviceState, to_torch
+from loom.strategies.xla.tree import map_tensors
 
 if TYPE_CHECKING:
     from loom.strategies.xla.strategy import TPUStrategy
@@ -43,7 +43,11 @@ class XLATrainStep(TrainStep):
     @property  # type: ignore[override]
     def outputs(self) -> Any:
         out = self._device_outputs
-        return None if out is None else torch_pytree.tree_map_only(_jax_array_type(), to_torch, out)
+        if out is None:
+            return None
+        import jax
+
+        return jax.tree.map(to_torch, out)
 
     @outputs.setter
     def outputs(self, value: Any) -> None:
@@ -177,7 +181,7 @@ class _StepBody:
             finally:
                 self.state.tracing = False
             if self.autocast is not None:
-                out = torch_pytree.tree_map_only(torch.Tensor, lambda t: t.float() if t.is_floating_point() else t, out)
+                out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
             loss = self.loss_fn(out, ty)
             new_buffers = {name: t.jax() for name, t in tb.items()}
             return loss.jax() * weight, (env.t2j_iso(out), new_buffers)
@@ -187,9 +191,3 @@ def batch_len_of(tree: Any) -> int:
     import jax
 
     return jax.tree.leaves(tree)[0].shape[0]
-
-
-def _jax_array_type() -> type:
-    import jax
-
-    return jax.Array

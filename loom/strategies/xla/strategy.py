@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.utils import _pytree as torch_pytree
 from torch.utils.data import DataLoader, Dataset
 
 from loom.data import DistributedLoader, Pipeline
@@ -24,6 +23,7 @@ from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.state import DeviceState
+from loom.strategies.xla.tree import leaves, map_tensors
 
 BACKWARD = (
     "TPUStrategy compiles forward, backward and the update into one XLA program, so there is no eager "
@@ -122,10 +122,9 @@ class TPUStrategy(Strategy):
                 )
             return feed.device_array(t, sharding)
 
-        leaves, spec = torch_pytree.tree_flatten(batch)
-        if not all(isinstance(t, torch.Tensor) for t in leaves):
+        if not all(isinstance(t, torch.Tensor) for t in leaves(batch)):
             raise TypeError("TPUStrategy's step takes tensors, or lists, tuples and dicts of them, as inputs and targets")
-        return torch_pytree.tree_unflatten([put(t) for t in leaves], spec)
+        return map_tensors(put, batch)
 
     # ---- data ---------------------------------------------------------------------------------
     def distribute(self, data: Dataset | DataLoader | Pipeline | Iterable[Any], batch_size: int | None = None,
