@@ -17,6 +17,7 @@ from loom.devices import available_cores, cuda_count
 from loom.errors import LaunchError, LoomError
 from loom.launch.parameter_server import JobOptions, run_parameter_server_job, run_parameter_server_task
 from loom.launch.torchrun import LaunchOptions, run_job
+from loom.strategies.xla import export as xla_export
 
 
 def _value_type(hint: Any) -> Any:
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
     export.add_argument("output", help="the .safetensors file to write")
     export.add_argument("--name", help="which saved model, when there are several")
+    xla_export.add_commands(commands.add_parser("xla", help="TPUStrategy: export a script's compiled training step"))
     return parser
 
 
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "checkpoint":
             return _checkpoint_command(args)
+        if args.command == "xla":
+            return xla_export.command(args)
         opts = _options(args)
         if args.command == "env":
             rows = describe_environment(opts)

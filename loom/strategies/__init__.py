@@ -15,6 +15,7 @@ from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.pipeline import PipelineStrategy
 from loom.strategies.sharded import ShardedStrategy
 from loom.strategies.tensor_parallel import TensorParallelStrategy
+from loom.strategies.xla import TPUStrategy  # imports JAX only when one is created
 
 STRATEGIES: dict[str, type[Strategy]] = {
     "one_device": OneDeviceStrategy,
@@ -25,6 +26,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "pipeline": PipelineStrategy,
     "tensor_parallel": TensorParallelStrategy,
     "hybrid": HybridStrategy,
+    "tpu": TPUStrategy,
+    "xla": TPUStrategy,
 }
 
 
@@ -63,6 +66,7 @@ __all__ = [
     "ShardedStrategy",
     "Strategy",
     "TensorParallelStrategy",
+    "TPUStrategy",
     "auto_strategy",
     "get_strategy",
     "unwrap",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,10 +17,12 @@ from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from tests.contract import cases
 from tests.contract.cases import CASES, run_case, save_reference
-from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
+from tests.helpers import ROOT, SCRIPTS, free_port, job_env, loom_run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
 STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline", "tensor_parallel", "hybrid"]
+if importlib.util.find_spec("torchax") is not None:  # the xla extra
+    STRATEGIES.append("tpu")
 # Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
 ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid"]
 
@@ -75,6 +80,14 @@ def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list
     return results
 
 
+def _tpu(directory: Path) -> list[dict[str, Any]]:
+    """TPUStrategy in one process driving 8 virtual XLA CPU devices (set before JAX is imported)."""
+    done = subprocess.run([sys.executable, SCRIPT, "--strategy", "tpu", "--dir", str(directory.parent)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=job_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(directory / "results-0.pt", weights_only=True)]
+
+
 @pytest.fixture(scope="session")
 def reference_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
     root = tmp_path_factory.mktemp("contract")
@@ -97,6 +110,8 @@ def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]])
         if name not in cache:
             if name == "one_device":
                 cache[name] = _one_device(directory(name))
+            elif name == "tpu":
+                cache[name] = _tpu(directory(name))
             elif name == "parameter_server":
                 with pytest.MonkeyPatch.context() as patch:
                     cache[name] = _parameter_servers(directory(name), patch)

@@ -43,6 +43,11 @@ REFUSED = {
         "accumulate_eager": f"RuntimeError: {PIPELINE_EAGER}",
         "fp16_mixed": "ValueError: PipelineStrategy cannot run precision='16-mixed'",
     },
+    "tpu": {  # one compiled program per step: gradients come from JAX, and XLA devices run bfloat16
+        "eager_loop": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
+        "accumulate_eager": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
+        "fp16_mixed": "ValueError: TPUStrategy runs mixed precision in bfloat16",
+    },
 }
 
 

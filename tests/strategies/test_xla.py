@@ -1,0 +1,152 @@
+"""TPUStrategy (torchax + JAX) on 8 virtual XLA CPU devices, each compared with OneDevice.
+
+One subprocess (``tests/scripts/xla_job.py``) runs every check that needs JAX: importing JAX
+and compiling are the expensive part, so the assertions below share its results.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loom
+from tests.contract.cases import mlp, save_reference, sgd
+from tests.helpers import ROOT, SCRIPTS, job_env
+
+pytest.importorskip("torchax", reason="the xla extra is not installed")
+pytestmark = pytest.mark.xdist_group("xla")
+
+TOLERANCE = 1e-5
+DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("xla")
+    reference = save_reference(directory / "reference")
+    done = subprocess.run([sys.executable, str(SCRIPTS / "xla_job.py"), str(directory)], capture_output=True, text=True,
+                          timeout=600, cwd=ROOT, env=job_env(DEVICES))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = torch.load(directory / "results.pt", weights_only=False)
+    results["reference"] = reference
+    return directory, results
+
+
+def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def test_found_by_name_and_replicas_are_hosts(job):
+    _, got = job
+    assert got["names"] == ["TPUStrategy", "TPUStrategy"]
+    assert got["replicas"] == (1, 8)  # one process feeds the step; 8 devices split each batch
+
+
+@pytest.mark.parametrize("case", ["mlp_sgd", "cnn_sgd", "cnn_adamw_steplr"])
+def test_equals_one_device_on_the_global_batch(job, case):
+    _, got = job
+    xla, one = got[case]["xla"], got[case]["one"]
+    assert difference(xla["weights"], one["weights"]) <= TOLERANCE  # BatchNorm's running statistics included
+    assert xla["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert xla["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert xla["lr"] == pytest.approx(one["lr"])
+    assert (xla["eval"] - one["eval"]).abs().max() <= TOLERANCE  # the module holds the trained weights
+
+
+def test_the_cases_do_what_they_say(job):
+    """Equality above is not "nothing moved": training, statistics, schedule and clipping all act."""
+    _, got = job
+    untrained = mlp().state_dict()
+    assert difference(got["mlp_sgd"]["one"]["weights"], untrained) > 0.05
+    cnn = got["cnn_sgd"]["one"]["weights"]
+    assert cnn["1.running_mean"].abs().max() > 1e-4 and (cnn["1.running_var"] - 1).abs().max() > 0.01
+    assert cnn["1.num_batches_tracked"] == 3
+    assert got["cnn_adamw_steplr"]["one"]["lr"] == pytest.approx(0.01 * 0.5**3)
+
+
+def test_the_compiled_step_holds_the_cross_device_reduction(job):
+    _, got = job
+    assert got["hlo_all_reduce"] and got["stablehlo_sharded"]
+
+
+def test_a_model_axis_gives_the_parameters_of_pure_data_parallelism(job):
+    _, got = job
+    specs = got["model_axis_specs"]
+    assert any("model" in spec for spec in specs.values()), specs  # the large weights really are split
+    assert any("model" not in spec for spec in specs.values()), specs  # the small ones are not
+    assert difference(got["model_axis"]["xla"]["weights"], got["model_axis"]["dp"]["weights"]) <= TOLERANCE
+
+
+def test_bf16_mixed_runs_convolutions_in_bfloat16(job):
+    """Linear layers against OneDevice: tests/contract's bf16_mixed case."""
+    _, got = job
+    assert got["bf16_conv_dtypes"] == ["torch.bfloat16"]
+
+
+def test_uneven_last_batch_is_padded_as_eight_replicas_would(job):
+    _, got = job
+    assert got["valid_counts"] == [16, 16, 12]
+    assert difference(got["uneven"]["xla"], got["uneven"]["one"]) <= TOLERANCE
+
+
+def test_distribute_sends_batches_to_the_devices_ahead(job):
+    _, got = job
+    assert got["feed"] == {"spec": "P('data',)", "devices": 8, "position": 1}
+
+
+def test_eager_backward_points_to_train_step(job):
+    _, got = job
+    assert got["backward_error"].startswith("TPUStrategy compiles forward, backward and the update into one XLA program")
+    assert "train_step" in got["backward_error"] and "\n" not in got["backward_error"]
+
+
+def test_a_checkpoint_moves_to_one_device_and_back(job):
+    directory, got = job
+    one = loom.OneDeviceStrategy()
+    model, opt = one.prepare(mlp(), sgd)
+    one.restore(directory / "saved", model=model, optimizer=opt)
+    assert difference(model.state_dict(), got["saved"]) == 0.0
+    assert all(s["momentum_buffer"].abs().sum() > 0 for s in opt.state_dict()["state"].values())
+    assert difference(got["restored"], got["reference"]) == 0.0
+    assert got["restored_momentum"] and all(m.abs().sum() > 0 for m in got["restored_momentum"].values())
+    assert difference(got["after_restore"], got["after_restore_one"]) <= TOLERANCE  # the devices took the restored state
+
+
+def test_export_writes_a_tpu_lowering_with_its_shardings(job):
+    directory, got = job
+    for out in (directory / "export", directory / "cli_export"):
+        manifest = json.loads((out / "manifest.json").read_text())
+        assert manifest["devices"] == 8 and manifest["mesh"] == {"data": 8, "model": 1}
+        text = (out / "train_step.mlir").read_text()
+        assert "sharding" in text and '"data"' in text
+        assert (out / "train_step.jax").stat().st_size > 0
+    assert json.loads((directory / "export" / "manifest.json").read_text())["platforms"] == ["tpu", "cpu"]
+    assert json.loads((directory / "cli_export" / "manifest.json").read_text())["platforms"] == ["tpu"]
+    assert got["cli_export"] == 0 and not (ROOT / "should-not-be-written.pt").exists()
+
+
+def test_without_the_extra_one_line_says_what_to_install():
+    blocker = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in ('jax', 'torchax'): raise ImportError(f'No module named {name!r}', name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import loom\n"
+        "try:\n"
+        "    loom.get_strategy('tpu')\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120, cwd=ROOT, env=job_env())
+    assert done.returncode == 0, done.stderr
+    line = done.stdout.strip()
+    assert line.startswith("TPUStrategy needs the xla extra, which is missing (jax not found): pip install 'loom[xla]'")
+    assert "\n" not in line
