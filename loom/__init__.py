@@ -5,6 +5,8 @@ from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
 from loom.launch import launch
 from loom.strategies import (
+    DiLoCoStrategy,
+    LocalSGDStrategy,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
@@ -22,8 +24,10 @@ __all__ = [
     "Callback",
     "ClusterError",
     "ClusterSpec",
+    "DiLoCoStrategy",
     "EarlyStopping",
     "LaunchError",
+    "LocalSGDStrategy",
     "LoomError",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

@@ -7,6 +7,7 @@ from typing import Any
 
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
+from loom.strategies.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
@@ -16,6 +17,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
+    "local_sgd": LocalSGDStrategy,
+    "diloco": DiLoCoStrategy,
 }
 
 
@@ -44,6 +47,8 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "DiLoCoStrategy",
+    "LocalSGDStrategy",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "OneDeviceStrategy",
