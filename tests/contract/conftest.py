@@ -17,7 +17,7 @@ from tests.contract.cases import CASES, run_case, save_reference
 from tests.helpers import SCRIPTS, free_port, loom_run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
-STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server"]
+STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "local_sgd", "diloco"]
 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:
@@ -26,7 +26,7 @@ def _one_device(directory: Path) -> list[dict[str, Any]]:
 
 
 def _launched(directory: Path, name: str) -> list[dict[str, Any]]:
-    if name == "mirrored":
+    if name in ("mirrored", "local_sgd", "diloco"):  # one node of two processes
         done = loom_run(["run", "--nproc", "2", "--timeout", "60", SCRIPT, "--strategy", name, "--dir", str(directory)], timeout=240)
         assert done.returncode == 0, done.stderr[-3000:]
     else:  # two nodes of one process each

@@ -12,6 +12,7 @@ import torch
 
 import loom
 from tests.contract.cases import CASES, run_case
+from tests.contract.local_reference import OPTIONS
 
 
 def main() -> None:
@@ -20,10 +21,11 @@ def main() -> None:
     parser.add_argument("--dir", required=True)
     args = parser.parse_args()
     directory = Path(args.dir)
-    strategy = loom.get_strategy(args.strategy, timeout=60)
+    fixed = OPTIONS.get(args.strategy, {})  # local SGD and DiLoCo: a sync within the cases' 3 steps
+    strategy = loom.get_strategy(args.strategy, timeout=60, **fixed)
 
     def make(**options):
-        return loom.get_strategy(args.strategy, timeout=60, **options)
+        return loom.get_strategy(args.strategy, timeout=60, **fixed, **options)
 
     results = {}
     for name in CASES:
