@@ -134,13 +134,13 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         self._replicas[module] = Replicas(module, self.sync_every, self._outer_optimizer())
         return module
 
-    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None) -> Any:
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, **options: Any) -> Any:
         if optimizer is None:
             raise ValueError(
                 f"{type(self).__name__} syncs the replicas after every {self.sync_every} optimizer steps, so it must "
                 "step the optimizer: pass it to prepare(model, optimizer)"
             )
-        wrapped, opt = super().prepare(model, optimizer)
+        wrapped, opt = super().prepare(model, optimizer, **options)
         return wrapped, LocalStepOptimizer(opt, self._replicas[model])
 
     def sync(self) -> None:

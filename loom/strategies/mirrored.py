@@ -65,6 +65,9 @@ class MirroredStrategy(Strategy):
         sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(precision=precision, timeout=timeout)
+        check_compression(compression)
+        if bucket_cap_mb != "auto" and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MB or 'auto', got {bucket_cap_mb!r}")
         if not TorchrunEnvironment.detect():
             raise LaunchError(
                 f"{type(self).__name__} runs one process per replica: start the script with "
@@ -72,9 +75,6 @@ class MirroredStrategy(Strategy):
             )
         self.cluster: ClusterSpec = TorchrunEnvironment.resolve()
         self._check_topology(num_replicas)
-        check_compression(compression)
-        if bucket_cap_mb != "auto" and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
-            raise ValueError(f"bucket_cap_mb must be a positive number of MB or 'auto', got {bucket_cap_mb!r}")
         self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb
         self._bandwidth: float | None = None  # measured once, for compression="auto"
