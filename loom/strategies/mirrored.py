@@ -13,13 +13,14 @@ from contextlib import ExitStack
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
-from loom.comm.compression import Compression, check_compression, choose_compression, compression_hook, measure_bandwidth
+from loom.comm.compression import Compression, PowerSGD, check_compression, choose_compression, compression_hook, measure_bandwidth
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
@@ -118,18 +119,32 @@ class MirroredStrategy(Strategy):
         if self.sync_batchnorm:
             module = convert_sync_batchnorm(module, self._device)
         shapes = [p.shape for p in module.parameters() if p.requires_grad]
+        compression = self._resolve_compression(shapes)
         ddp = ReplicatedModule(
             module,
             device_ids=[self._device] if self._device.type == "cuda" else None,
-            bucket_cap_mb=auto_bucket_cap_mb(shapes) if self.bucket_cap_mb == "auto" else self.bucket_cap_mb,
+            bucket_cap_mb=self._bucket_cap_mb(shapes, compression),
             gradient_as_bucket_view=True,
             **self.ddp_options,
         )
-        hook = compression_hook(self._resolve_compression(shapes))
+        hook = compression_hook(compression)
         if hook is not None:
             ddp.register_comm_hook(hook[1], hook[0])
         self._ddp.add(ddp)
         return ddp
+
+    def _bucket_cap_mb(self, shapes: list[torch.Size], compression: Compression) -> float:
+        """torch's PowerSGD hook waits for its second all-reduce inside the first one's callback, which
+        gloo runs on one of its two worker threads: two buckets in flight block both. On gloo it gets one."""
+        powersgd = compression == "powersgd" or isinstance(compression, PowerSGD)
+        if powersgd and dist.get_backend() == "gloo":
+            if self.bucket_cap_mb != "auto":
+                raise ValueError(
+                    f"PowerSGD on gloo runs as one bucket (torch's hook would deadlock gloo with two in flight); "
+                    f"drop bucket_cap_mb={self.bucket_cap_mb!r}"
+                )
+            return sum(int(s.numel()) for s in shapes) * 4 / 2**20 + 1.0
+        return auto_bucket_cap_mb(shapes) if self.bucket_cap_mb == "auto" else self.bucket_cap_mb
 
     def _resolve_compression(self, shapes: list[torch.Size]) -> Compression:
         """The compression for a model with these gradients; "auto" measures the link once and says what it picked."""
