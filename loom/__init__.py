@@ -5,7 +5,9 @@ from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
 from loom.launch import launch
 from loom.strategies import (
+    DiLoCoStrategy,
     HybridStrategy,
+    LocalSGDStrategy,
     Mesh,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
@@ -28,9 +30,11 @@ __all__ = [
     "Callback",
     "ClusterError",
     "ClusterSpec",
+    "DiLoCoStrategy",
     "EarlyStopping",
     "HybridStrategy",
     "LaunchError",
+    "LocalSGDStrategy",
     "LoomError",
     "Mesh",
     "MirroredStrategy",

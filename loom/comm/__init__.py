@@ -12,12 +12,13 @@ from loom.comm.collectives import (
     scatter,
     world_size,
 )
-from loom.comm.compression import COMPRESSIONS, compression_hook
+from loom.comm.compression import COMPRESSIONS, PowerSGD, compression_hook
 from loom.comm.process_group import Connection, resolve_timeout
 
 __all__ = [
     "COMPRESSIONS",
     "Connection",
+    "PowerSGD",
     "all_gather",
     "all_reduce",
     "barrier",

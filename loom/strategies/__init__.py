@@ -7,9 +7,10 @@ from typing import Any
 
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
-from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.hybrid import HybridStrategy
+from loom.strategies.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from loom.strategies.mesh import Mesh
+from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.pipeline import PipelineStrategy
@@ -28,6 +29,8 @@ STRATEGIES: dict[str, type[Strategy]] = {
     "hybrid": HybridStrategy,
     "tpu": TPUStrategy,
     "xla": TPUStrategy,
+    "local_sgd": LocalSGDStrategy,
+    "diloco": DiLoCoStrategy,
 }
 
 
@@ -56,7 +59,9 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "DiLoCoStrategy",
     "HybridStrategy",
+    "LocalSGDStrategy",
     "Mesh",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, TypeVar, Union
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from loom.checkpoint import Checkpointer
 from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
+from loom.strategies.fast_path import apply_layout, check_candidates as fast_path_candidates, choose as choose_fast_path
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
@@ -87,18 +88,40 @@ class Strategy(ABC):
         return nullcontext()
 
     def prepare(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+        *,
+        fast_path: bool | Sequence[str] = False,
+        example_input: torch.Tensor | None = None,
     ) -> Union[nn.Module, tuple[nn.Module, StrategyOptimizer]]:
         """Place and wrap ``model``; wrap ``optimizer`` (or build it from a factory on the placed params).
 
         The module passed in stays usable and holds the trained parameters (``loom.unwrap``
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
+        ``fast_path=True`` times channels_last and torch.compile against eager on
+        ``example_input`` (one batch of this replica's inputs), keeps the fastest that computes
+        the same, and says which in one line (``loom.strategies.fast_path``).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        candidates = fast_path_candidates(fast_path)
+        if candidates and example_input is None:
+            raise ValueError(
+                "prepare(fast_path=...) measures the model on a batch: pass example_input=<one batch of this "
+                "replica's inputs>, e.g. the first x from strategy.distribute(...)"
+            )
         module = model.to(self.device)
         with self._guard():
-            wrapped = self.precision.wrap(self._wrap_model(module))
+            plan = None
+            if candidates:
+                plan = choose_fast_path(module, example_input.to(self.device), candidates, self.precision.autocast, self.precision.dtype is not None)
+                apply_layout(module, plan)
+                self.print(plan.line())
+            inner = self._wrap_model(module)
+            if plan is not None and plan.compile:  # around DDP, so its buckets still overlap the backward
+                inner = torch.compile(inner)
+            wrapped = self.precision.wrap(inner)
         if optimizer is None:
             return wrapped
         if isinstance(optimizer, torch.optim.Optimizer):

@@ -1,8 +1,8 @@
 """Synchronous data parallelism: a replica per process, gradients all-reduced in every step.
 
 Built on DistributedDataParallel, which buckets gradients and overlaps their all-reduce with
-the rest of the backward pass. How the bytes travel (plain, fp16 or bf16 compressed) is an
-argument, kept in ``loom.comm.compression``.
+the rest of the backward pass. How the bytes travel (plain, fp16/bf16, PowerSGD, or chosen
+from the measured link) is an argument, kept in ``loom.comm.compression``.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from contextlib import ExitStack
 from typing import Any, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
-from loom.comm import Connection, compression_hook
+from loom.comm import Connection
+from loom.comm.compression import Compression, PowerSGD, check_compression, choose_compression, compression_hook, measure_bandwidth
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
@@ -30,8 +32,12 @@ class MirroredStrategy(Strategy):
 
     Args:
         num_replicas: expected number of replicas; an error if the launch disagrees.
-        compression: ``None``, ``"fp16"`` or ``"bf16"`` all-reduce of gradients.
-        bucket_cap_mb: DDP bucket size; 25 MB overlaps well from small MLPs to ResNets.
+        compression: ``None``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` (or ``loom.comm.PowerSGD(rank=...,
+            error_feedback=...)``) all-reduce of gradients; ``"auto"`` measures the link when a model is
+            prepared and picks the lightest that fits a step (``loom.comm.compression.choose_compression``).
+        bucket_cap_mb: DDP bucket size; ``"auto"`` (the default) cuts the model's gradients into about
+            ``AUTO_BUCKETS`` buckets of 1-25 MB, so the first all-reduce starts early in the backward pass
+            and the last one, which nothing overlaps, is short.
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``.
         timeout: seconds a collective may wait before the job fails naming the missing rank
             (default: ``LOOM_TIMEOUT``, else 300).
@@ -49,8 +55,8 @@ class MirroredStrategy(Strategy):
     def __init__(
         self,
         num_replicas: int | None = None,
-        compression: str | None = None,
-        bucket_cap_mb: float = 25.0,
+        compression: Compression = None,
+        bucket_cap_mb: float | str = "auto",
         precision: str = "32",
         timeout: float | None = None,
         backend: str | None = None,
@@ -60,6 +66,9 @@ class MirroredStrategy(Strategy):
         sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(precision=precision, timeout=timeout)
+        check_compression(compression)
+        if bucket_cap_mb != "auto" and not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MB or 'auto', got {bucket_cap_mb!r}")
         if not TorchrunEnvironment.detect():
             raise LaunchError(
                 f"{type(self).__name__} runs one process per replica: start the script with "
@@ -67,8 +76,9 @@ class MirroredStrategy(Strategy):
             )
         self.cluster: ClusterSpec = TorchrunEnvironment.resolve()
         self._check_topology(num_replicas)
-        self._hook = compression_hook(compression)
+        self.compression = compression
         self.bucket_cap_mb = bucket_cap_mb
+        self._bandwidth: float | None = None  # measured once, for compression="auto"
         self.ddp_options = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
@@ -108,17 +118,43 @@ class MirroredStrategy(Strategy):
     def _wrap_model(self, module: nn.Module) -> nn.Module:
         if self.sync_batchnorm:
             module = convert_sync_batchnorm(module, self._device)
+        shapes = [p.shape for p in module.parameters() if p.requires_grad]
+        compression = self._resolve_compression(shapes)
         ddp = ReplicatedModule(
             module,
             device_ids=[self._device] if self._device.type == "cuda" else None,
-            bucket_cap_mb=self.bucket_cap_mb,
+            bucket_cap_mb=self._bucket_cap_mb(shapes, compression),
             gradient_as_bucket_view=True,
             **self.ddp_options,
         )
-        if self._hook is not None:
-            ddp.register_comm_hook(None, self._hook)
+        hook = compression_hook(compression)
+        if hook is not None:
+            ddp.register_comm_hook(hook[1], hook[0])
         self._ddp.add(ddp)
         return ddp
+
+    def _bucket_cap_mb(self, shapes: list[torch.Size], compression: Compression) -> float:
+        """torch's PowerSGD hook waits for its second all-reduce inside the first one's callback, which
+        gloo runs on one of its two worker threads: two buckets in flight block both. On gloo it gets one."""
+        powersgd = compression == "powersgd" or isinstance(compression, PowerSGD)
+        if powersgd and dist.get_backend() == "gloo":
+            if self.bucket_cap_mb != "auto":
+                raise ValueError(
+                    f"PowerSGD on gloo runs as one bucket (torch's hook would deadlock gloo with two in flight); "
+                    f"drop bucket_cap_mb={self.bucket_cap_mb!r}"
+                )
+            return sum(int(s.numel()) for s in shapes) * 4 / 2**20 + 1.0
+        return auto_bucket_cap_mb(shapes) if self.bucket_cap_mb == "auto" else self.bucket_cap_mb
+
+    def _resolve_compression(self, shapes: list[torch.Size]) -> Compression:
+        """The compression for a model with these gradients; "auto" measures the link once and says what it picked."""
+        if self.compression != "auto":
+            return self.compression
+        if self._bandwidth is None:
+            self._bandwidth = measure_bandwidth()
+        choice = choose_compression(shapes, self._bandwidth, self.num_replicas_in_sync)
+        self.print(choice.line)
+        return choice.name
 
     def _skip_gradient_sync(self) -> ContextManager[Any]:
         stack = ExitStack()
@@ -140,6 +176,19 @@ class MirroredStrategy(Strategy):
                     for buffer in ddp.module.buffers():
                         comm.broadcast(buffer, 0)
         return super().save(directory, **options)
+
+
+AUTO_BUCKETS = 8
+
+
+def auto_bucket_cap_mb(shapes: list[torch.Size], element_size: int = 4) -> float:
+    """A bucket size that splits these gradients into about ``AUTO_BUCKETS`` all-reduces, within 1-25 MB.
+
+    DDP's fixed 25 MB puts most of a 38 MB MLP in one bucket that is ready only near the end of
+    the backward pass, so the link idles while the gradients are computed and then works alone.
+    """
+    total = sum(int(s.numel()) for s in shapes) * element_size / 2**20
+    return min(25.0, max(1.0, total / AUTO_BUCKETS))
 
 
 class ReplicatedModule(DistributedDataParallel):

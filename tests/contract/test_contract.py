@@ -15,6 +15,7 @@ import torch
 import loom
 from tests.contract.cases import mlp, sgd
 from tests.contract.conftest import STRATEGIES
+from tests.contract.local_reference import LOCAL, SIMULATED, simulate
 
 PIPELINE_EAGER = "PipelineStrategy runs forward and backward together in its schedule, so the eager loop"
 
@@ -51,13 +52,17 @@ REFUSED = {
 }
 
 
-def params(cases: list[str]) -> list[Any]:
-    """(strategy, case) pairs for every case a strategy runs (its refusals are tested apart)."""
+def params(cases: list[str], local: bool = False) -> list[Any]:
+    """(strategy, case) pairs for every case a strategy runs (its refusals are tested apart).
+
+    Local SGD and DiLoCo do not equal one device on the global batch: unless ``local``, their
+    cases are compared with a simulation of the same instead (``test_local_training_...``).
+    """
     return [
         pytest.param(strategy, case, id=f"{strategy}-{case}")
         for strategy in STRATEGIES
         for case in cases
-        if case not in REFUSED.get(strategy, {})
+        if case not in REFUSED.get(strategy, {}) and (local or strategy not in LOCAL)
     ]
 
 
@@ -128,7 +133,29 @@ def test_mixed_precision_equals_one_device_in_the_same_precision(contract_result
     assert max_difference(reference["weights"], fp32["weights"]) > 0  # the precision really changed the math
 
 
-@pytest.mark.parametrize("strategy, case", params(["reduce_and_gather"]))
+@pytest.mark.parametrize("strategy, case", [pytest.param(s, c, id=f"{s}-{c}") for s in LOCAL for c in SIMULATED])
+def test_local_training_equals_its_simulation(contract_results, strategy, case):
+    """Each replica steps alone on its slice and they meet every 2 steps: 3 steps end apart."""
+    replicas = result(contract_results, strategy, case)
+    expected = simulate(strategy, case)
+    for got, want in zip(replicas, expected):
+        assert max_difference(got["weights"], want) <= LOW_PRECISION_TOLERANCE.get(case, TOLERANCE)
+    assert max_difference(replicas[0]["weights"], replicas[1]["weights"]) > 1e-4  # the last step was local
+    if case == "step_lr":
+        (reference,) = result(contract_results, "one_device", case)
+        assert replicas[0]["lr"] == pytest.approx(reference["lr"])
+
+
+@pytest.mark.parametrize("strategy", LOCAL)
+def test_local_fit_trains_and_reports_over_every_replica(contract_results, strategy):
+    """fit's loss falls, and its metrics (reduced over the replicas) are the same on each."""
+    first, second = result(contract_results, strategy, "fit_metrics")
+    assert first["loss"][-1] < first["loss"][0]
+    for key in first:
+        assert first[key] == pytest.approx(second[key], rel=1e-6), key
+
+
+@pytest.mark.parametrize("strategy, case", params(["reduce_and_gather"], local=True))
 def test_reduce_and_gather_cover_every_replica(contract_results, strategy, case):
     for got in result(contract_results, strategy, case):
         n = got["replicas"]
@@ -146,7 +173,7 @@ def test_fit_metrics_are_over_every_replica(contract_results, strategy, case):
             assert got[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
 
 
-@pytest.mark.parametrize("strategy, case", params(["save_and_restore"]))
+@pytest.mark.parametrize("strategy, case", params(["save_and_restore"], local=True))
 def test_a_checkpoint_moves_between_strategies(contract_results, reference_checkpoint, tmp_path, strategy, case):
     """Saved under ``strategy``, restored under OneDevice; OneDevice's restored under ``strategy``."""
     root, reference = reference_checkpoint

@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 import loom
 from tests.contract.cases import CASES, run_case
+from tests.contract.local_reference import OPTIONS as LOCAL_OPTIONS
 
 
 def main() -> None:
@@ -28,7 +29,7 @@ def main() -> None:
 
 
 # What a strategy needs to run on the contract's two processes: Hybrid's mesh (tensor parallel, then FSDP over a replica of one).
-OPTIONS = {"hybrid": {"mesh": {"dp": 1, "tp": 2}}}
+OPTIONS = {"hybrid": {"mesh": {"dp": 1, "tp": 2}}, **LOCAL_OPTIONS}  # and local SGD/DiLoCo: a sync within the cases' 3 steps
 
 
 def run_strategy(strategy_name: str, directory: Path) -> None:

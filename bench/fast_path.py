@@ -1,0 +1,168 @@
+"""The measured compute fast path against eager, bf16-mixed, and TensorFlow's figures, W1 and W2.
+
+    python bench/fast_path.py [--nproc 1 2] [--rounds 3] [--steps 3] [--compile]
+
+For each number of processes, one job (``loom run --nproc N``) runs every contender in the
+same processes, in interleaved blocks of steps (order rotating per round):
+
+- ``eager fp32``: ``strategy.prepare(model, opt)``;
+- ``fast path fp32``: ``prepare(..., fast_path=[...], example_input=x)``, whose one line is kept;
+- ``bf16-mixed + fast path``: the same under ``precision="bf16-mixed"``.
+
+TensorFlow 2.21's fp32 figures are issue 15's table (MultiWorkerMirrored, taken on this machine
+by ``make bench-tf``'s environment); they are not re-measured here. ``torch.compile`` is a
+candidate only with ``--compile`` (its compile time on this 2-core machine is minutes). A
+``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench.workloads import RESULTS, WORKLOADS, endless, machine, save  # noqa: E402
+
+TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table
+CONTENDERS = ("eager fp32", "fast path fp32", "bf16-mixed + fast path")
+
+
+def worker(rounds: int, steps: int, candidates: list[str], out: str) -> None:
+    import loom
+
+    results: dict = {}
+    for name, workload in WORKLOADS.items():
+        data = workload.data(batches=4)
+        contenders, lines = {}, {}
+        for contender in CONTENDERS:
+            strategy = loom.auto_strategy(precision="bf16-mixed" if contender.startswith("bf16") else "32", timeout=600)
+            torch.manual_seed(0)
+            loader = strategy.distribute(data, batch_size=workload.global_batch)
+            example = next(iter(loader))[0]
+            options = {} if contender == "eager fp32" else {"fast_path": candidates, "example_input": example}
+            said = io.StringIO()
+            with redirect_stdout(said):
+                model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), **options)
+            lines[contender] = said.getvalue().strip()
+            step = strategy.train_step(model, F.cross_entropy, opt)
+            batches = endless(loader)
+            contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
+        for run in contenders.values():
+            run()
+        seconds: dict[str, list[float]] = {c: [] for c in contenders}
+        order = list(contenders)
+        for r in range(rounds):
+            for contender in order[r % len(order):] + order[: r % len(order)]:
+                _barrier()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    contenders[contender]()
+                _barrier()
+                seconds[contender].append((time.perf_counter() - start) / steps)
+        results[name] = {
+            c: {"samples_per_sec": workload.global_batch / statistics.median(s), "blocks": s, "choice": lines[c]}
+            for c, s in seconds.items()
+        }
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            results["profile"] = profile()
+        Path(out).write_text(json.dumps(results))
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def profile() -> dict[str, list[tuple[str, float]]]:
+    """Self CPU time of the top operators in one W2 fp32 step, eager and channels_last."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    workload = WORKLOADS["W2"]
+    x, y = torch.randn(workload.global_batch, 3, 32, 32), torch.randint(0, 10, (workload.global_batch,))
+    tables = {}
+    for layout in ("eager", "channels_last"):
+        torch.manual_seed(0)
+        model = workload.build()
+        if layout == "channels_last":
+            model = model.to(memory_format=torch.channels_last)
+        F.cross_entropy(model(x), y).backward()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            F.cross_entropy(model(x), y).backward()
+        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
+        tables[layout] = [(e.key, e.self_cpu_time_total / 1e3) for e in events]
+    return tables
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="try torch.compile too")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    candidates = ["channels_last", "compile"] if args.compile else ["channels_last"]
+    if args.worker:
+        return worker(args.rounds, args.steps, candidates, args.out)
+    results: dict = {"machine": machine(), "candidates": candidates, "tf_fp32": {f"{w} {n}": v for (w, n), v in TF_FP32.items()},
+                     "note": "2-core machine shared with other jobs: figures taken under load", "runs": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        for nproc in args.nproc:
+            out = Path(tmp) / f"{nproc}.json"
+            command = [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", __file__, "--worker",
+                       "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(out), *(["--compile"] if args.compile else [])]  # fmt: skip
+            done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"--nproc {nproc} failed: {done.stderr[-3000:]}")
+            results["runs"][str(nproc)] = json.loads(out.read_text())
+    for nproc, run in results["runs"].items():
+        for name in WORKLOADS:
+            tf = TF_FP32.get((name, int(nproc)))
+            for contender, row in run[name].items():
+                row["vs_tf_fp32"] = row["samples_per_sec"] / tf if tf else None
+                versus = f"{row['vs_tf_fp32']:.2f}x TF fp32" if tf else "(no TF figure)"
+                print(f"{name} {nproc} proc  {contender:<24} {row['samples_per_sec']:7.0f} samples/s  {versus}   {row['choice']}")
+    for layout, table in results["runs"].get("1", {}).get("profile", {}).items():
+        print(f"W2 fp32 step, {layout}: " + ", ".join(f"{k} {ms:.0f} ms" for k, ms in table[:5]))
+    print(f"saved {save('fast_path', results)}")
+    plot(results, RESULTS / "fast_path.png")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [(name, nproc) for nproc in results["runs"] for name in WORKLOADS]
+    fig, axis = plt.subplots(figsize=(10, 4.5))
+    width = 0.2
+    for i, contender in enumerate(CONTENDERS):
+        axis.bar([g + i * width for g in range(len(groups))], [results["runs"][n][w][contender]["samples_per_sec"] for w, n in groups], width, label=contender)
+    tf = [TF_FP32.get((w, int(n)), 0) for w, n in groups]
+    axis.bar([g + 3 * width for g in range(len(groups))], tf, width, label="TF 2.21 fp32 (issue 15)", color="gray")
+    axis.set_xticks([g + 1.5 * width for g in range(len(groups))], [f"{w}, {n} proc" for w, n in groups])
+    axis.set(ylabel="samples/s", title="CPU compute fast path (2-core machine, under load)")
+    axis.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

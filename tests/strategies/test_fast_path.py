@@ -1,0 +1,70 @@
+"""The measured fast path: it keeps what is faster, computes what eager computes, and says so."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+from loom.strategies import fast_path
+
+
+def convnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
+
+
+def train(fast: bool, capsys: pytest.CaptureFixture) -> tuple[nn.Module, str, dict[str, torch.Tensor]]:
+    strategy = loom.OneDeviceStrategy(device="cpu")
+    data = batches()
+    options = {"fast_path": ["channels_last"], "example_input": data[0][0]} if fast else {}
+    raw = convnet()
+    model, opt = strategy.prepare(raw, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), **options)
+    after_prepare = {k: v.clone() for k, v in raw.state_dict().items()}
+    line = capsys.readouterr().out
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    for x, y in data:
+        step(x, y)
+    return raw, line, after_prepare
+
+
+def test_channels_last_when_faster_trains_as_eager_does(monkeypatch, capsys):
+    def timed(run, example, autocast):  # channels_last twice as fast as eager: kept
+        weight = next(run.parameters())
+        return 1.0 if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous() else 2.0
+
+    monkeypatch.setattr(fast_path, "_timed", timed)
+    fast, line, untouched = train(True, capsys)
+    eager, _, initial = train(False, capsys)
+    assert line == "loom: fast path channels_last, 2.00x eager (forward+backward on the example batch: eager 2000.0 ms, channels_last 1000.0 ms)\n"
+    assert fast[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for key, value in initial.items():  # the trial left parameters and BatchNorm statistics as they were
+        assert torch.equal(untouched[key], value), key
+    for key, value in eager.state_dict().items():
+        assert torch.allclose(fast.state_dict()[key], value, rtol=1e-5, atol=1e-6), key
+
+
+def test_a_candidate_that_is_not_faster_is_not_kept_and_the_line_says_why(monkeypatch):
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0)
+    plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.name == "eager" and plan.rejected == {"channels_last": "1.00x eager, not kept"}
+    mlp = fast_path.choose(nn.Linear(4, 2), torch.randn(3, 4), ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    assert mlp.line().endswith("; channels_last: no 2-D convolution")
+
+
+def test_a_candidate_that_computes_differently_is_refused():
+    assert fast_path._difference([torch.ones(3)], [torch.ones(3) * 1.001], tolerance=1e-4) == "differs from eager by 1.0e-03 (relative) in its output, not kept"
+    assert fast_path._difference([torch.ones(3)], [torch.ones(3) * (1 + 1e-6)], tolerance=1e-4) is None
+
+
+def test_bad_fast_path_options_get_one_line():
+    strategy = loom.OneDeviceStrategy(device="cpu")
+    with pytest.raises(ValueError, match=r"^prepare\(fast_path=...\) measures the model on a batch: pass example_input="):
+        strategy.prepare(convnet(), fast_path=True)
+    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, compile; got 'fast'$"):
+        strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
