@@ -45,6 +45,7 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_found_by_name_and_replicas_are_hosts(job):
     _, got = job
+    assert got["jax_with_loom"] is False  # JAX is imported when a TPUStrategy is created, not by `import loom`
     assert got["names"] == ["TPUStrategy", "TPUStrategy"]
     assert got["replicas"] == (1, 8)  # one process feeds the step; 8 devices split each batch
 
