@@ -27,7 +27,7 @@ from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loom  # noqa: E402
-from workloads import machine, save, small_cnn  # noqa: E402
+from workloads import RESULTS, machine, save, small_cnn  # noqa: E402
 
 WORKLOADS = {
     "MLP": ("MLP 784-512-512-10, global batch 256", lambda: nn.Sequential(nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)), (784,)),
@@ -110,7 +110,30 @@ def main() -> None:
         print(f"{name} ({description}): compile {one['compile_s']:.1f}s (1 device), {eight['compile_s']:.1f}s (8); steps/s "
               f"1 device {one['xla_steps_per_s']:.1f} vs eager torch {one['eager_steps_per_s']:.1f} ({one['xla_vs_eager']:.2f}x), "
               f"8 devices {eight['xla_steps_per_s']:.1f} vs {eight['eager_steps_per_s']:.1f} ({eight['xla_vs_eager']:.2f}x)")  # fmt: skip
-    print(f"wrote {save('xla', results)}")
+    plot(results, RESULTS / "xla.png")
+    print(f"wrote {save('xla', results)} and {RESULTS / 'xla.png'}")
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Steps/s of eager torch and of the compiled step, per workload and device count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["workloads"])
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 3.5))
+    for ax, name in zip(axes, names):
+        row = results["workloads"][name]
+        labels = ["eager torch\n(1-device run)", "XLA 1 device", "eager torch\n(8-device run)", "XLA 8 devices"]
+        values = [row["1_device"]["eager_steps_per_s"], row["1_device"]["xla_steps_per_s"], row["8_device"]["eager_steps_per_s"], row["8_device"]["xla_steps_per_s"]]
+        ax.bar(labels, values, color=["grey", "tab:blue", "grey", "tab:orange"])
+        ax.set_title(f"{row['description']}\ncompile {row['1_device']['compile_s']:.0f}s / {row['8_device']['compile_s']:.0f}s", fontsize=9)
+        ax.set_ylabel("steps/s")
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("TPUStrategy on virtual XLA CPU devices (loaded machine; not TPU speed)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def padded(dataset: TensorDataset, devices: int) -> TensorDataset:
 
 def main() -> None:
     directory = Path(sys.argv[1])
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"jax_with_loom": "jax" in sys.modules}  # before any strategy was created
     tpu = loom.get_strategy("tpu")
     out["names"] = [type(loom.get_strategy(n)).__name__ for n in ("tpu", "xla")]
     out["replicas"] = (tpu.num_replicas_in_sync, tpu.data_parallel_size)

@@ -6,8 +6,10 @@ and compiling are the expensive part, so the assertions below share its results.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
+from types import SimpleNamespace
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,10 +18,11 @@ import pytest
 import torch
 
 import loom
+from loom.strategies.xla.mesh import build_mesh
+from loom.strategies.xla.optim import group_rules
 from tests.contract.cases import mlp, save_reference, sgd
 from tests.helpers import ROOT, SCRIPTS, job_env
 
-pytest.importorskip("torchax", reason="the xla extra is not installed")
 pytestmark = pytest.mark.xdist_group("xla")
 
 TOLERANCE = 1e-5
@@ -28,6 +31,8 @@ DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    if importlib.util.find_spec("torchax") is None:
+        pytest.skip("the xla extra is not installed: pip install 'loom[xla]'")
     directory = tmp_path_factory.mktemp("xla")
     reference = save_reference(directory / "reference")
     done = subprocess.run([sys.executable, str(SCRIPTS / "xla_job.py"), str(directory)], capture_output=True, text=True,
@@ -45,6 +50,7 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_found_by_name_and_replicas_are_hosts(job):
     _, got = job
+    assert got["jax_with_loom"] is False  # JAX is imported when a TPUStrategy is created, not by `import loom`
     assert got["names"] == ["TPUStrategy", "TPUStrategy"]
     assert got["replicas"] == (1, 8)  # one process feeds the step; 8 devices split each batch
 
@@ -150,3 +156,39 @@ def test_without_the_extra_one_line_says_what_to_install():
     line = done.stdout.strip()
     assert line.startswith("TPUStrategy needs the xla extra, which is missing (jax not found): pip install 'loom[xla]'")
     assert "\n" not in line
+
+
+@pytest.mark.parametrize(
+    "optimizer, line",
+    [
+        (lambda p: torch.optim.RMSprop(p), "TPUStrategy runs the optimizer inside its compiled step and knows torch.optim.SGD, Adam and AdamW, not RMSprop"),
+        (lambda p: torch.optim.Adam(p, amsgrad=True), "TPUStrategy cannot run Adam(amsgrad=True) in its compiled step; use amsgrad=False"),
+    ],
+)
+def test_an_optimizer_the_step_cannot_run_exactly_is_refused_by_name(optimizer, line):
+    with pytest.raises(ValueError) as error:
+        group_rules(optimizer(mlp().parameters()))
+    assert str(error.value).startswith(line) and "\n" not in str(error.value)
+
+
+def test_group_rules_follow_each_group():
+    net = mlp()
+    opt = torch.optim.SGD([{"params": net[0].parameters(), "momentum": 0.9, "nesterov": True}, {"params": net[2].parameters()}], lr=0.1)
+    first, second = group_rules(opt)
+    assert (first.momentum, first.nesterov, second.momentum) == (True, True, False)
+    assert group_rules(torch.optim.AdamW(net.parameters()))[0].decoupled and not group_rules(torch.optim.Adam(net.parameters()))[0].decoupled
+
+
+@pytest.mark.parametrize(
+    "mesh, line",
+    [
+        ({"data": 4, "model": 4}, "TPUStrategy(mesh={'data': 4, 'model': 4}) needs 16 devices but JAX sees 8 (cpu); make data x model equal 8"),
+        ({"batch": 8}, "TPUStrategy(mesh=...) takes the axes 'data' and 'model', not batch"),
+        ({"data": 0, "model": 8}, "TPUStrategy(mesh={'data': 0, 'model': 8}): every axis needs a positive number of devices"),
+    ],
+)
+def test_a_mesh_that_does_not_fit_the_devices_is_refused_in_one_line(mesh, line):
+    devices = SimpleNamespace(devices=lambda: [SimpleNamespace(platform="cpu")] * 8)
+    with pytest.raises(ValueError) as error:
+        build_mesh(devices, mesh, 1 << 16)
+    assert str(error.value) == line

@@ -59,9 +59,6 @@ class MeshPlan:
 
 def build_mesh(jax: Any, mesh: dict[str, int] | None, shard_threshold: int) -> MeshPlan:
     """All devices JAX sees (every host's), laid out as ``mesh``; one clear line when they do not fit."""
-    import numpy as np
-    from jax.sharding import Mesh
-
     devices = jax.devices()
     shape = dict(mesh or {"data": len(devices)})
     unknown = set(shape) - set(AXES)
@@ -76,5 +73,8 @@ def build_mesh(jax: Any, mesh: dict[str, int] | None, shard_threshold: int) -> M
             f"TPUStrategy(mesh={mesh}) needs {shape['data'] * shape['model']} devices but JAX sees {len(devices)} "
             f"({devices[0].platform}); make data x model equal {len(devices)}"
         )
+    import numpy as np
+    from jax.sharding import Mesh
+
     grid = np.array(devices).reshape(shape["data"], shape["model"])
     return MeshPlan(Mesh(grid, AXES), shard_threshold)
