@@ -201,7 +201,7 @@ class ShardedStrategy(Strategy):
     parameter in fp32) do not fit in one device's memory. Same loop, same results as
     MirroredStrategy; the price is each block's all-gather in forward and again in backward,
     and a reduce-scatter, where Mirrored has one all-reduce overlapped with backward. On CPU
-    processes over gloo that costs about 3/4 of Mirrored's throughput (bench/sharded.py);
+    processes over gloo it ran at about a quarter of Mirrored's throughput (bench/sharded.py);
     ``reshard_after_forward=False`` saves the second all-gather for more memory.
 
     Args:
