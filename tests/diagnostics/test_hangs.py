@@ -1,0 +1,78 @@
+"""A hung job's final message says where each rank is and why, from the ranks' collective records."""
+
+import re
+
+import pytest
+
+from loom.diagnostics.hangs import explain, rank_condition
+from tests.helpers import SCRIPTS, loom_run
+
+SCRIPT = SCRIPTS / "hang_job.py"
+
+
+def line_of(marker: str) -> int:
+    return next(i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1) if marker in text)
+
+
+def final_line(how: str) -> str:
+    job = loom_run(["run", "--nproc", "2", "--timeout", "5", str(SCRIPT), how], timeout=90)
+    assert job.returncode != 0
+    return job.stderr.strip().splitlines()[-1]
+
+
+def test_a_skipped_all_reduce_names_the_rank_and_both_call_sites():
+    line = final_line("skip")
+    train, barrier = line_of("TRAIN_ALL_REDUCE"), line_of("END_BARRIER")
+    assert "loom: job failed: rank" in line and "HangError: collectives out of step at #4: " in line, line
+    assert f"rank 1 is in barrier #4 (hang_job.py:{barrier}) while rank 0 is in all_reduce #4 (hang_job.py:{train})" in line
+
+
+def test_a_rank_looping_in_python_is_named_with_the_looping_line():
+    line = final_line("loop")
+    assert f"rank 1 never reached all_reduce #3 (hang_job.py:{line_of('TRAIN_ALL_REDUCE')}); its Python stack: " in line, line
+    assert f"hang_job.py:{line_of('LOOP_LINE')} in spin" in line
+
+
+def test_a_collective_run_by_the_chief_only_is_named_as_such():
+    line = final_line("chief_eval")
+    eval_line, guard = line_of("EVAL_ALL_REDUCE"), line_of('if how == "chief_eval" and rank == 0:')
+    assert f"rank 0 is in all_reduce #5 (hang_job.py:{eval_line})" in line, line
+    assert f'runs under `if how == "chief_eval" and rank == 0:` (hang_job.py:{guard}), on some ranks only' in line
+
+
+def call(seq, op, line, done=True, group="0", shapes=((4,),)):
+    return {"group": group, "seq": seq, "op": op, "shapes": [list(s) for s in shapes], "dtypes": ["Float"],
+            "frames": [{"file": "/x/train.py", "line": line, "name": "f"}], "done": done}  # fmt: skip
+
+
+def record(rank, calls, finished=False):
+    return {"rank": rank, "host": "h", "pid": 1, "calls": calls, "stack": [], "finished": finished}
+
+
+def test_the_odd_rank_out_is_named_first_against_the_others():
+    ok = [call(1, "all_reduce", 80), call(2, "barrier", 95, done=False)]
+    odd = [call(1, "all_reduce", 80), call(2, "all_reduce", 88, done=False)]
+    records = {0: record(0, ok), 1: record(1, odd), 2: record(2, ok), 3: record(3, ok)}
+    text = explain(records, 4)
+    assert text.startswith("collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while ranks 0, 2, 3 are in barrier #2 (train.py:95)")
+
+
+def test_a_collective_completed_on_some_ranks_only_is_named():
+    # gloo matched the chief's evaluation all-reduce with the others' training one: no hang yet, wrong sums.
+    chief = [call(1, "all_reduce", 10), call(2, "all_reduce", 20), call(3, "all_reduce", 10), call(4, "all_reduce", 10, done=False)]
+    other = [call(1, "all_reduce", 10), call(2, "all_reduce", 10), call(3, "all_reduce", 10), call(4, "barrier", 30, done=False)]
+    text = explain({0: record(0, chief), 1: record(1, other)}, 2)
+    assert "the ranks' collectives first differed at #2: " in text
+    assert "all_reduce at train.py:20 ran on rank 0 only, never on rank 1: every rank must run the same collectives" in text
+
+
+def test_ranks_that_agree_and_wait_nowhere_give_no_finding():
+    calls = [call(1, "all_reduce", 10), call(2, "all_reduce", 10)]
+    assert explain({0: record(0, calls), 1: record(1, calls)}, 2) is None
+
+
+def test_rank_condition_reads_the_if_around_a_call(tmp_path):
+    path = tmp_path / "t.py"
+    path.write_text("if strategy.is_chief:\n    evaluate()\nelse:\n    pass\nif x > 1:\n    evaluate()\n")
+    assert rank_condition(str(path), 2) == ("`if strategy.is_chief:`", 1)
+    assert rank_condition(str(path), 6) is None
