@@ -19,6 +19,7 @@ import functools
 import json
 import os
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ KEEP = 200  # of which a record carries the newest
 STAMPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
            "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
            "all_to_all_single", "broadcast_object_list", "send", "recv", "monitored_barrier")  # fmt: skip
-_INTERNAL = tuple(str(Path(m.__file__).parent) + os.sep for m in (torch, loom))
+_INTERNAL = (*(str(Path(m.__file__).parent) + os.sep for m in (torch, loom)), sysconfig.get_paths()["stdlib"] + os.sep)
 _stamps: collections.deque = collections.deque(maxlen=DEFAULT_BUFFER)  # [start_ns, end_ns, thread, frames]
 
 

@@ -76,3 +76,23 @@ def test_rank_condition_reads_the_if_around_a_call(tmp_path):
     path.write_text("if strategy.is_chief:\n    evaluate()\nelse:\n    pass\nif x > 1:\n    evaluate()\n")
     assert rank_condition(str(path), 2) == ("`if strategy.is_chief:`", 1)
     assert rank_condition(str(path), 6) is None
+
+
+def test_another_thread_reads_the_main_threads_stack_in_place():
+    import threading
+
+    from loom.diagnostics.stacks import describe, main_frames
+
+    seen, started = [], threading.Event()
+
+    def read():
+        started.wait()
+        seen.append(describe(main_frames()))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    started.set()
+    while reader.is_alive():  # READ_HERE
+        pass
+    here = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# READ_HERE"))
+    assert seen[0].startswith(f"test_hangs.py:{here} in test_another_thread_reads_the_main_threads_stack_in_place (while reader.is_alive()"), seen
