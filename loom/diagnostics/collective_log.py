@@ -38,6 +38,7 @@ STAMPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_
            "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
            "all_to_all_single", "broadcast_object_list", "send", "recv", "monitored_barrier")  # fmt: skip
 _INTERNAL = (*(str(Path(m.__file__).parent) + os.sep for m in (torch, loom)), sysconfig.get_paths()["stdlib"] + os.sep)
+_user_code: dict[Any, bool] = {}  # code object -> whether it is the user's, decided once
 _stamps: collections.deque = collections.deque(maxlen=DEFAULT_BUFFER)  # [start_ns, end_ns, thread, frames]
 
 
@@ -48,11 +49,15 @@ def _is_user(filename: str) -> bool:
 def _stamped(collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def call(*args: Any, **kwargs: Any) -> Any:
-        frames, f = [], sys._getframe(1)
-        while f is not None and len(frames) < 4:
-            if _is_user(f.f_code.co_filename):
-                frames.append((f.f_code.co_filename, f.f_lineno, f.f_code.co_name))
-            f = f.f_back
+        frames, f, depth = [], sys._getframe(1), 0
+        while f is not None and depth < 12 and len(frames) < 3:  # the call site and two callers
+            code = f.f_code
+            user = _user_code.get(code)
+            if user is None:
+                user = _user_code[code] = _is_user(code.co_filename)
+            if user:
+                frames.append((code.co_filename, f.f_lineno, code.co_name))
+            f, depth = f.f_back, depth + 1
         stamp = [time.time_ns(), 0, threading.get_ident(), frames]
         _stamps.append(stamp)
         try:

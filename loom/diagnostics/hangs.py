@@ -48,7 +48,9 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _by_seq(records: dict[int, Record], group: str) -> dict[int, dict[int, Call]]:
-    return {r: {c["seq"]: c for c in rec["calls"] if c["group"] == group} for r, rec in records.items()}
+    """Each member's calls in ``group`` by number (a member is a rank that made one there)."""
+    calls = {r: {c["seq"]: c for c in rec["calls"] if c["group"] == group} for r, rec in records.items()}
+    return {r: per_rank for r, per_rank in calls.items() if per_rank}
 
 
 def _first_divergence(calls: dict[int, dict[int, Call]]) -> int | None:
@@ -67,7 +69,8 @@ def _divergence(calls: dict[int, dict[int, Call]], seq: int) -> str:
             groups.setdefault(_signature(calls[r][seq]), []).append(r)
     same_place = len({sig[:2] for sig in groups}) == 1  # then shapes or dtypes differ: show them
     parts = []
-    for sig, ranks in sorted(groups.items(), key=lambda item: (len(item[1]), 0 in item[1])):
+    lowest = min(r for ranks in groups.values() for r in ranks)  # in a tie, its side is the reference
+    for sig, ranks in sorted(groups.items(), key=lambda item: (len(item[1]), lowest in item[1])):
         call = calls[ranks[0]][seq]
         verb = ("is in" if len(ranks) == 1 else "are in") if not call["done"] else "ran"
         shape = f" of {sig[3]} {sig[2]}" if same_place else ""

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 
 from loom.cluster import NodeSpec
-from loom.diagnostics.doctor import reach_master
+from loom.diagnostics.doctor import _compare, reach_master
 from tests.helpers import LOOM, ROOT, free_port, job_env, loom_run, wait_all
 from tests.netns import network, on_host, sh, why_no_namespaces
 
@@ -36,15 +36,22 @@ def test_a_healthy_two_node_job_passes(tmp_path):
     assert "node 0 found the job would start" in out1
 
 
-def test_a_version_mismatch_is_named_with_its_fix(tmp_path):
-    fake = tmp_path / "fake"
-    fake.mkdir()
-    (fake / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.12.1'\n")  # node 1 runs another torch
-    (code0, out0, _), (code1, out1, _) = doctors(tmp_path, {"PYTHONPATH": f"{fake}:{ROOT}"})
-    assert code0 == 1 and code1 == 1
-    line = "FAIL  node 1 (vm) has torch 2.12.1 but node 0 has 2.13.0+cpu; fix: install torch 2.13.0+cpu on node 1"
-    assert line.replace("(vm)", f"({out0.split('node 1 (')[1].split(')')[0]})") in out0, out0
-    assert out0.strip().endswith("loom doctor: 1 problem(s); the job would not start")
+def report(node, torch_version="2.13.0"):
+    return {"node": node, "host": f"h{node}", "versions": {"torch": torch_version, "loom": "0.1.0", "python": "3.11.7"},
+            "checkpoint": None, "findings": []}  # fmt: skip
+
+
+def test_a_version_mismatch_is_named_with_its_fix():
+    checks = {0: {"all_reduce": None, "bandwidth": {}}, 1: {"all_reduce": None, "bandwidth": {"0-1": 12.5}}}
+    lines = [f.line() for f in _compare({0: report(0), 1: report(1, "2.12.1")}, checks, 2)]
+    assert "FAIL  node 1 (h1) has torch 2.12.1 but node 0 has 2.13.0; fix: install torch 2.13.0 on node 1 (h1) (every node must run the same versions)" in lines
+    assert "ok    bandwidth node 0 (h0) -> node 1 (h1): 12 MB/s" in lines
+
+
+def test_a_node_that_does_not_see_node_0s_checkpoint_directory_is_named():
+    reports = {0: {**report(0), "checkpoint": "/ckpt"}, 1: {**report(1), "checkpoint": "/ckpt", "sees_node0_checkpoint": False}}
+    lines = [f.line() for f in _compare(reports, {0: {"all_reduce": None, "bandwidth": {}}, 1: {"all_reduce": None, "bandwidth": {}}}, 2)]
+    assert "FAIL  node 1 (h1) does not see node 0's checkpoint directory /ckpt; fix: put checkpoints on storage every node mounts at the same path (NFS, a parallel filesystem)" in lines
 
 
 def test_a_closed_port_is_named_with_its_fix():
@@ -58,11 +65,6 @@ def test_a_master_name_that_does_not_resolve_is_named_with_its_fix():
     assert "the master's host node0.invalid does not resolve; fix: pass --master with an address or a name every node resolves" in found.line()
 
 
-def test_a_failing_check_fails_the_command_in_one_line_per_finding():
-    job = loom_run(["doctor", "--nnodes", "2", "--node-rank", "1", "--master", f"127.0.0.1:{free_port()}", "--nproc", "1", "--wait", "0.5"], timeout=60)
-    assert job.returncode == 1
-    assert [line[:4] for line in job.stdout.splitlines()] == ["ok  ", "ok  ", "ok  ", "FAIL", "loom"], job.stdout
-    assert job.stdout.strip().endswith("loom doctor: 1 problem(s); the job would not start")
 
 NO_NETNS = why_no_namespaces()
 needs_netns = pytest.mark.skipif(NO_NETNS is not None, reason=NO_NETNS or "")
@@ -82,10 +84,11 @@ def doctors_on_hosts(port, wait="5"):
 def test_a_host_whose_link_is_cut_is_named():
     with network(HOSTS, prefix="d") as links:
         sh("ip", "link", "set", links["b"], "down")
-        (code_a, out_a, _), (code_b, out_b, _) = wait_all(doctors_on_hosts(free_port()), timeout=60)
-    assert (code_a, code_b) == (1, 1)
-    assert "FAIL  node(s) 1 did not report within 5s; fix: run `loom doctor` there" in out_a, out_a
-    assert f"FAIL  node 1 (host-b): cannot reach the master {HOSTS['a']} (" in out_b, out_b
+        command = [*LOOM, "doctor", "--nnodes", "2", "--node-rank", "1", "--master", f"{HOSTS['a']}:{free_port()}", "--nproc", "1", "--wait", "1"]
+        job = subprocess.run(on_host("b", command, prefix="d"), cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=60)
+    assert job.returncode == 1
+    assert f"FAIL  node 1 (host-b): cannot reach the master {HOSTS['a']} (" in job.stdout, job.stdout
+    assert "fix: check that 10.79.7.1 is node 0's address on a network this node is on" in job.stdout
 
 
 @needs_netns

@@ -1,6 +1,12 @@
-"""Two ranks that stop matching collectives, one way per argument: skip, loop or chief_eval."""
+"""Six ranks, three pairs, each pair with its own process group and its own way to hang.
 
-import sys
+Ranks 0 and 1: the chief (rank 0) evaluates alone, with an all-reduce inside.
+Ranks 2 and 3: rank 3 skips one all-reduce.
+Ranks 4 and 5: rank 5 never leaves a Python loop.
+"""
+
+import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -9,26 +15,27 @@ import loom
 
 strategy = loom.MirroredStrategy()
 rank = dist.get_rank()
-how = sys.argv[1]
+groups = [dist.new_group(pair, timeout=timedelta(seconds=5)) for pair in ([0, 1], [2, 3], [4, 5])]  # like --timeout
+group = groups[rank // 2]
 grad = torch.ones(4)
 
 
 def evaluate():
     metric = torch.ones(1)
-    dist.all_reduce(metric)  # EVAL_ALL_REDUCE
+    dist.all_reduce(metric, group=group)  # EVAL_ALL_REDUCE
 
 
 def spin():
-    while True:  # LOOP_LINE
-        pass
+    while True:
+        time.sleep(0.05)  # LOOP_LINE
 
 
 for step in range(4):
-    if how == "skip" and rank == 1 and step == 2:
+    if rank == 3 and step == 2:
         continue
-    if how == "loop" and rank == 1 and step == 2:
+    if rank == 5 and step == 2:
         spin()
-    dist.all_reduce(grad)  # TRAIN_ALL_REDUCE
-if how == "chief_eval" and rank == 0:
+    dist.all_reduce(grad, group=group)  # TRAIN_ALL_REDUCE
+if rank == 0:
     evaluate()
-dist.barrier()  # END_BARRIER
+dist.barrier(group=group)  # END_BARRIER
