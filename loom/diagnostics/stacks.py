@@ -121,7 +121,7 @@ def stacks_command(master: str | None, wait: float = 5.0) -> int:
             print(f"rank {r}: no answer within {wait:g}s (stopped, or its heartbeat thread is blocked)")
             continue
         print(f"rank {r} ({record['host']}, pid {record['pid']}): {where(record)}")
-        for f in record["stack"]:
+        for f in reversed(record["stack"]):  # as a traceback prints them: the innermost last
             print(f"  {f['file']}:{f['line']} in {f['name']}" + (f"\n      {f['code']}" if f.get("code") else ""))
     verdict = explain(records, world)
     if verdict:

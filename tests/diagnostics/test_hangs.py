@@ -103,3 +103,46 @@ def test_another_thread_reads_the_main_threads_stack_in_place():
         pass
     here = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# READ_HERE"))
     assert seen[0].startswith(f"test_hangs.py:{here} in test_another_thread_reads_the_main_threads_stack_in_place (while reader.is_alive()"), seen
+
+
+def test_loom_stacks_prints_where_each_rank_of_a_running_job_is(capsys):
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from loom.comm.health import PREFIX
+    from loom.diagnostics import collective_log
+    from loom.diagnostics.stacks import stacks_command
+    from tests.helpers import free_port
+
+    port, prefix = free_port(), f"{PREFIX}/0"
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    loop = {"file": "/x/train.py", "line": 95, "name": "<module>", "code": "dist.barrier()"}
+    records = {
+        0: {**record(0, [call(1, "all_reduce", 80), call(2, "barrier", 95, done=False)]), "stack": [loop]},
+        1: record(1, [call(1, "all_reduce", 80), call(2, "all_reduce", 88, done=False)]),
+    }
+    for r in records:
+        store.set(f"{prefix}/member/{r}", "{}")
+    stop = threading.Event()
+
+    def heartbeat(rank):  # what each rank's heartbeat thread does
+        client, answered = dist.TCPStore("127.0.0.1", port, is_master=False), 0
+        while not stop.is_set():
+            answered = collective_log.answer(client, prefix, answered, lambda: records[rank])
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=heartbeat, args=(r,)) for r in records]
+    for t in threads:
+        t.start()
+    try:
+        assert stacks_command(f"127.0.0.1:{port}") == 0
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    out = capsys.readouterr().out.splitlines()
+    assert out[:3] == ["rank 0 (h, pid 1): in barrier #2 (train.py:95)", "  /x/train.py:95 in <module>", "      dist.barrier()"]
+    assert out[3] == "rank 1 (h, pid 1): in all_reduce #2 (train.py:88)"
+    assert out[-1] == "loom: collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while rank 0 is in barrier #2 (train.py:95)"
