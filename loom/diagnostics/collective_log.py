@@ -38,7 +38,7 @@ STAMPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_
            "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
            "all_to_all_single", "broadcast_object_list", "send", "recv", "monitored_barrier")  # fmt: skip
 _INTERNAL = (*(str(Path(m.__file__).parent) + os.sep for m in (torch, loom)), sysconfig.get_paths()["stdlib"] + os.sep)
-_user_code: dict[Any, bool] = {}  # code object -> whether it is the user's, decided once
+_user_files: dict[str, bool] = {}  # file -> whether it is the user's, decided once
 _stamps: collections.deque = collections.deque(maxlen=DEFAULT_BUFFER)  # [start_ns, end_ns, thread, frames]
 
 
@@ -50,11 +50,11 @@ def _stamped(collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def call(*args: Any, **kwargs: Any) -> Any:
         frames, f, depth = [], sys._getframe(1), 0
-        while f is not None and depth < 12 and len(frames) < 3:  # the call site and two callers
+        while f is not None and depth < 8 and len(frames) < 3:  # the call site and two callers
             code = f.f_code
-            user = _user_code.get(code)
+            user = _user_files.get(code.co_filename)  # a str caches its hash; a code object does not
             if user is None:
-                user = _user_code[code] = _is_user(code.co_filename)
+                user = _user_files[code.co_filename] = _is_user(code.co_filename)
             if user:
                 frames.append((code.co_filename, f.f_lineno, code.co_name))
             f, depth = f.f_back, depth + 1
@@ -69,10 +69,14 @@ def _stamped(collective: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def arm() -> None:
-    """Record this process's collectives from now on (call before its first one; the user's
-    ``TORCH_FR_BUFFER_SIZE`` wins)."""
+def arm_workers() -> None:
+    """Have the processes this one starts record their collectives (the user's ``TORCH_FR_BUFFER_SIZE`` wins)."""
     os.environ.setdefault(BUFFER_ENV, str(DEFAULT_BUFFER))
+
+
+def arm() -> None:
+    """Record this process's collectives from now on (call before its first one)."""
+    arm_workers()
     for name in STAMPED:
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "__loom_stamped__", False):
