@@ -33,7 +33,7 @@ def test_a_skipped_all_reduce_names_the_rank_and_both_call_sites(final_line):
 
 
 def test_a_rank_looping_in_python_is_named_with_the_looping_line(final_line):
-    assert f"rank 5 never reached all_reduce #3 of group 3 (hang_job.py:{line_of('TRAIN_ALL_REDUCE')}); its Python stack: " in final_line
+    assert f"rank 5 never reached all_reduce #3 of group 3 (hang_job.py:{line_of('TRAIN_ALL_REDUCE')}); its Python stack: " in final_line, final_line
     assert f"hang_job.py:{line_of('LOOP_LINE')} in spin" in final_line
     assert final_line.count("never reached") == 1  # ranks of the other groups are not behind in this one
 
@@ -43,7 +43,7 @@ def test_a_collective_run_by_the_chief_only_is_named_as_such(final_line):
     assert (
         f"rank 1 is in barrier #5 of group 1 (hang_job.py:{barrier}) "
         f"while rank 0 is in all_reduce #5 of group 1 (hang_job.py:{eval_line})"
-    ) in final_line
+    ) in final_line, final_line
     assert f"all_reduce at hang_job.py:{eval_line} runs under `if rank == 0:` (hang_job.py:{guard}), on some ranks only" in final_line
 
 
