@@ -57,8 +57,31 @@ def _pair(recorder: bool, port: int) -> dict[str, float]:
     return value
 
 
+def _one_process(out: mp.Queue) -> None:
+    """The stamp alone around a one-rank all-reduce: no peer, so no cross-process scheduling noise."""
+    from loom.diagnostics import collective_log
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29715", rank=0, world_size=1)
+    raw, stamped = dist.all_reduce, collective_log._stamped(dist.all_reduce)
+    t, best = torch.ones(1000), {"raw": float("inf"), "stamped": float("inf")}
+    for block in range(BLOCKS):
+        for mode, fn in (("raw", raw), ("stamped", stamped)) if block % 2 else (("stamped", stamped), ("raw", raw)):
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                fn(t)
+            best[mode] = min(best[mode], (time.perf_counter() - start) / CALLS * 1e6)
+    out.put(best)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    single = ctx.Process(target=_one_process, args=(queue,))
+    single.start()
+    one = queue.get(timeout=600)
+    single.join()
     off, on = _pair(False, 29711), _pair(True, 29713)
     result = {
         "what": "us per 1,000-float gloo all-reduce, 2 ranks, fastest of 30 blocks of 100 calls per mode",
@@ -67,6 +90,8 @@ def main() -> None:
         "stamp_only": off["stamped"],
         "loom_record (flight recorder + stamp)": on["stamped"],
         "ratio_loom_record_to_raw": on["stamped"] / off["raw"],
+        "one_rank_raw": one["raw"],
+        "one_rank_stamped": one["stamped"],
     }  # fmt: skip
     print(json.dumps(result, indent=2))
     RESULTS.mkdir(exist_ok=True)
