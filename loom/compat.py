@@ -99,3 +99,18 @@ def elastic_agent(build: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         launcher_api.LocalElasticAgent = original
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """torch's flight recorder: each process group's recent collectives, oldest first.
+
+    Each entry has ``pg_id``, ``collective_seq_id``, ``profiling_name`` (``gloo:all_reduce``),
+    ``input_sizes``, ``input_dtypes``, ``time_created_ns``, ``thread_id`` and ``retired``, not
+    the stacks (making frames of those imports torch's compiler). Empty unless
+    ``TORCH_FR_BUFFER_SIZE`` was set before this process's first collective.
+    """
+    import pickle
+
+    from torch._C._distributed_c10d import _dump_fr_trace
+
+    return pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])  # torch's own bytes, made in this process

@@ -3,7 +3,9 @@
 Each rank registers its host and pid in the job's store (held by torchrun's agent, so it
 outlives any worker), beats a counter there, and posts a notice when it fails with an
 exception. When a collective breaks, or the agent tears the job down, a survivor reads
-those records and says which rank failed and where.
+those records and says which rank failed and where. When every rank is alive but a
+collective timed out, the first rank to see it compares every rank's record of its
+collectives (``collective_log``, ``hangs``) and says where they part.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from loom.cluster import ClusterSpec, seconds_from_env
 from loom.comm import preemption
-from loom.errors import RankFailureError
+from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
 
@@ -55,6 +57,7 @@ class HealthMonitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._previous_excepthook = sys.excepthook
+        self._failed_in_last = False  # this rank's newest collective raised: its record says it is stuck there
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(
@@ -66,11 +69,16 @@ class HealthMonitor:
         )
 
     def _key(self, kind: str, rank: int) -> str:
+        return f"{self._namespace()}/{kind}/{rank}"
+
+    def _namespace(self) -> str:
         # One namespace per attempt: after an elastic restart, the last attempt's dead are not ours.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        return f"{PREFIX}/{attempt}/{kind}/{rank}"
+        return f"{PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
     def start(self) -> None:
+        from loom.comm import collective_log  # imported on use: its stacks module reads this one's PREFIX
+
+        collective_log.arm()
         me = {"host": self.host, "pid": os.getpid()}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
         self._contact = time.monotonic()
@@ -83,6 +91,7 @@ class HealthMonitor:
 
     def stop(self) -> None:
         try:  # a rank that finished is not a rank that stopped responding
+            self._publish_record(finished=True)  # what it did last, for a peer left waiting on it
             self._store.set(self._key("done", self.spec.rank), "1")
         except Exception:
             pass
@@ -99,9 +108,11 @@ class HealthMonitor:
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
+        answered = 0  # requests for this rank's record of collectives
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
+                answered = self._answer_record_requests(store, answered)
                 silent = self._silent_peers(store, heard, members)
                 self._contact = time.monotonic()
             except Exception:  # unreachable: _watch_contact decides when that is fatal
@@ -207,16 +218,71 @@ class HealthMonitor:
             found.append(f"rank(s) {', '.join(never)} never joined the job")
         return "; ".join(found) or None
 
-    def failure_error(self, cause: BaseException | None = None) -> RankFailureError | None:
+    def failure_error(self, cause: BaseException | None = None) -> LoomError | None:
         """A RankFailureError naming the failed peer, if ``cause`` came from one (without a cause:
-        if any peer died or stopped responding, heartbeats sampled)."""
-        reason = self.diagnose(sample_heartbeats=cause is None or looks_distributed(cause))
+        if any peer died or stopped responding, heartbeats sampled); for a collective that broke
+        while every peer answers, a ``HangError`` saying where the ranks' collectives part."""
+        sample = cause is None or looks_distributed(cause)
+        reason = self.diagnose(sample_heartbeats=False)
+        if reason is None and cause is not None and sample:
+            hang = self._hang_error()
+            if hang is not None:
+                return hang
+        if reason is None and sample:
+            reason = self.diagnose(sample_heartbeats=True)
         if reason is None:
             return None
         self.post_failure(reason, victim=True)
         return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: {reason}")
 
+    def _record(self, failed_in_last: bool = False, finished: bool = False) -> dict:
+        from loom.comm import collective_log, stacks
+
+        self._failed_in_last = failed_in_last = failed_in_last or self._failed_in_last  # it stays stuck there
+        return collective_log.snapshot(self.spec.rank, self.host, stacks.main_frames(), failed_in_last, finished)
+
+    def _publish_record(self, failed_in_last: bool = False, finished: bool = False) -> None:
+        from loom.comm import collective_log
+
+        collective_log.publish(self._store, self._namespace(), self._record(failed_in_last, finished), answers=1 << 30)
+
+    def _answer_record_requests(self, store: dist.TCPStore, answered: int) -> int:
+        from loom.comm import collective_log
+
+        return collective_log.answer(store, self._namespace(), answered, self._record)
+
+    def _hang_error(self) -> LoomError | None:
+        """Compare every rank's collectives (the first rank here does; the others wait for its
+        finding and stop because of it). None when a rank does not answer: then it is the
+        heartbeats' case."""
+        from loom.comm import collective_log
+        from loom.comm.hangs import HangError, explain
+
+        prefix, finding = self._namespace(), self._key("hang", 0)
+        self._publish_record(failed_in_last=True)
+        if self._store.add(self._key("hang-claim", 0), 1) == 1:
+            asked = collective_log.request(self._store, prefix)
+            records = collective_log.collect(self._store, prefix, self.spec.world_size, asked, wait=3 * self.interval)
+            found = explain(records, self.spec.world_size) if len(records) == self.spec.world_size else None
+            self._store.set(finding, json.dumps({"rank": self.spec.rank, "found": found}))
+            return HangError(found) if found else None
+        try:
+            self._store.wait([finding], timedelta(seconds=5 * self.interval + 5))
+            answer = json.loads(self._store.get(finding))
+        except Exception:
+            return None
+        if not answer["found"]:
+            return None
+        return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: rank {answer['rank']} found the job hung: {answer['found']}")
+
     def _excepthook(self, exc_type, exc, tb) -> None:
+        if not isinstance(exc, LoomError) and looks_distributed(exc):
+            error = self.failure_error(exc)  # name the dead peer, or where the collectives part
+            if error is not None:
+                try:
+                    raise error from exc
+                except LoomError as named:  # handled here, so the worker's hook records this one
+                    return self._excepthook(type(named), named, named.__traceback__)
         if isinstance(exc, RankFailureError):  # a victim, not a cause: one line is the whole story
             _say(f"loom: {exc}")
             os._exit(RankFailureError.EXIT_CODE)  # skip teardown: the group is broken and may hang

@@ -21,6 +21,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 
 from loom.cluster import NodeSpec, seconds_from_env
 from loom.compat import elastic_agent
+from loom.comm import collective_log
 from loom.errors import LaunchError
 from loom.launch.failures import report
 
@@ -133,6 +134,8 @@ class ReportingAgent(LocalElasticAgent):
 
 def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> ContextManager[None]:
     """Have torchrun, called in this block, run its workers under a ``ReportingAgent``."""
+
+    collective_log.arm_workers()  # before any worker's process group exists, whatever its backend
 
     def build(**kwargs: Any) -> ReportingAgent:
         return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, **kwargs)

@@ -1,4 +1,5 @@
-"""The ``loom`` command: ``loom run`` starts a job, ``loom env`` shows what it would be."""
+"""The ``loom`` command: ``loom run`` starts a job, ``loom env`` shows what it would be, ``loom doctor``
+checks that it would start, ``loom stacks`` shows where a running one is."""
 
 from __future__ import annotations
 
@@ -57,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
     _add_launch_options(env)
+    doctor = commands.add_parser("doctor", help="check, on each node as `loom run` would start there, that a job would start")
+    _add_launch_options(doctor)
+    doctor.add_argument("--checkpoint-dir", help="check that every node can write this directory and sees the same one")
+    doctor.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the master and the other nodes")
+    stacks = commands.add_parser("stacks", help="print where each rank of a running job is: its collective and Python stack")
+    stacks.add_argument("--master", help="the job's HOST:PORT; default: the job running on this machine")
     checkpoint = commands.add_parser("checkpoint", help="look into a checkpoint, or export its weights")
     actions = checkpoint.add_subparsers(dest="action", required=True)
     inspect = actions.add_parser("inspect", help="list what a checkpoint holds")
@@ -137,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             return _checkpoint_command(args)
         if args.command == "xla":
             return xla_export.command(args)
+        if args.command == "stacks":
+            from loom.comm.stacks import stacks_command
+
+            return stacks_command(args.master)
+        if args.command == "doctor":
+            from loom.diagnostics.doctor import doctor
+
+            return doctor(_options(args), args.checkpoint_dir, args.wait)
         opts = _options(args)
         if args.command == "env":
             rows = describe_environment(opts)
