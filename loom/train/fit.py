@@ -14,6 +14,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from loom.data import DistributedLoader
+from loom.diagnostics.breakdown import timed_batches
+from loom.diagnostics.report import report
 from loom.strategies import Strategy, auto_strategy
 from loom.strategies.base import OptimizerFactory
 from loom.strategies.step import batch_len, slice_batch
@@ -165,7 +167,7 @@ def fit(
         totals = _Totals(metrics_, strategy.device)
         prepared.train()
         start = time.perf_counter()
-        for k, (inputs, targets) in enumerate(train):
+        for k, (inputs, targets) in enumerate(timed_batches(strategy.step_recorder, train)):
             loss = step(inputs, targets)
             n = train.valid_count(k)  # the padding of an uneven last batch is trained on, not counted
             if n == batch_len(targets):
@@ -188,6 +190,7 @@ def fit(
             backup.after_epoch(state, train)
         for cb in hooks:
             cb.on_epoch_end(state, logs)
+        report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=progress)  # the step breakdown
         if state.stop:
             break
     for cb in hooks:
