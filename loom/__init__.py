@@ -33,6 +33,7 @@ __all__ = [
     "RankFailureError",
     "Strategy",
     "TensorBoard",
+    "advise",
     "auto_strategy",
     "comm",
     "evaluate",
@@ -41,3 +42,12 @@ __all__ = [
     "launch",
     "unwrap",
 ]
+
+
+def __getattr__(name: str):
+    """``loom.advise`` is imported on first use: the diagnostics stay out of ``import loom``."""
+    if name == "advise":
+        from loom.diagnostics.advise import advise
+
+        return advise
+    raise AttributeError(f"module 'loom' has no attribute {name!r}")

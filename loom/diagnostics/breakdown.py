@@ -34,7 +34,12 @@ PARTS = ("input", "compute", "comm", "optimizer", "other")
 class StepRecorder:
     """Per-step time of one rank, split into ``PARTS``; sums since the last ``reset``."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: Any = None) -> None:
+        from loom.diagnostics.scale import steps_limit
+
+        self.owner = owner  # the strategy: under ``loom scale`` it reports and ends the run
+        self.limit = steps_limit()
+        self.counted = 0  # steps counted since the start, for the limit
         self.enabled = True
         self.sums = dict.fromkeys(PARTS, 0.0)
         self.steps = 0
@@ -80,7 +85,7 @@ class StepRecorder:
 
     def _forward_hook(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():  # evaluation passes are not steps
-            self.forward_begins(_batch_len(args[0]) if args else 0)
+            self.forward_begins(batch_size_of(args[0]) if args else 0)
 
     def _grad_hook(self, param: torch.Tensor) -> None:
         self._grad = time.perf_counter()
@@ -143,11 +148,16 @@ class StepRecorder:
                 for part in PARTS:
                     self.sums[part] += current[part]
                 self.steps += 1
+                self.counted += 1
                 self.samples += self._samples
             self._started = True
         self._samples = 0
         self._current = dict.fromkeys(PARTS, 0.0)
         self._step_start = self._mark = now
+        if self.limit is not None and self.counted >= self.limit and self.owner is not None:
+            from loom.diagnostics.scale import finish
+
+            finish(self.owner)
 
     # ---- results -----------------------------------------------------------------------------
     def means(self) -> dict[str, float]:
@@ -158,7 +168,7 @@ class StepRecorder:
         return means
 
 
-def _batch_len(batch: Any) -> int:
+def batch_size_of(batch: Any) -> int:
     """Samples in a forward's first argument; 0 where it has no batch dimension."""
     while isinstance(batch, (list, tuple, dict)) and batch:
         batch = next(iter(batch.values())) if isinstance(batch, dict) else batch[0]

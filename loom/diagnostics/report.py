@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from loom.diagnostics.breakdown import PARTS
+from loom.diagnostics.breakdown import PARTS, batch_size_of
 from loom.diagnostics.verdict import COMM_BOUND, JobFacts, RankTimes, Verdict, decide
 
 HOST_BYTES = 64
@@ -76,6 +76,22 @@ def report(
         if log_dir is not None:
             write(result, Path(log_dir), step)
     return result
+
+
+def mention_advice(strategy: Any, model: Any, inputs: Any, result: BreakdownReport) -> None:
+    """At the end of a run: the chief says so when ``loom.advise`` recommends another strategy; collective.
+
+    The facts come from the run: the measured compute per step, the link measured between the
+    replicas, and ``inputs`` (the last batch) for the activations and embedding rows.
+    """
+    from loom.diagnostics.advise import advise, describe
+
+    counted = [r.seconds["compute"] for r in result.ranks if r.steps]
+    if strategy.num_replicas_in_sync < 2 or not counted or not batch_size_of(inputs):
+        return
+    advice = advise(model, (inputs,), strategy=strategy, compute_seconds=statistics.median(counted))
+    if strategy.is_chief and advice.recommendation != describe(strategy):
+        print(f"advice: {advice.recommendation} rather than {describe(strategy)}. {advice.reasons}", flush=True)
 
 
 def _gather(strategy: Any, recorder: Any) -> list[RankTimes]:

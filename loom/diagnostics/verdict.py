@@ -69,6 +69,14 @@ class Verdict:
         return f"verdict: {self.message}"
 
 
+def size(n: float) -> str:
+    """Bytes as a person reads them: 1.2 GB, 3.4 MB, 5.6 KB, 78 bytes."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} bytes"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -131,7 +139,7 @@ def _communication(share: float, step: float, replicas: int, facts: JobFacts) ->
     if facts.bandwidth:
         expected = wire / facts.bandwidth
         head += (
-            f"; it all-reduces {wire / 1e6:.2f} MB per step, {_ms(expected)} at the measured {facts.bandwidth / 1e6:.0f} MB/s"
+            f"; it all-reduces {size(wire)} per step, {_ms(expected)} at the all-reduce rate measured for that size, {size(facts.bandwidth)}/s"
         )
         if expected < 0.5 * share * step:
             head += " (the rest is latency, a slow peer or the comm hook)"

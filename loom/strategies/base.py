@@ -361,17 +361,17 @@ class Strategy(ABC):
         """Times every step on this rank (``loom.diagnostics.breakdown``); hooked by ``prepare``."""
         from loom.diagnostics.breakdown import StepRecorder  # a leaf module: diagnostics sits above strategies
 
-        return StepRecorder()
+        return StepRecorder(self)
 
-    def report(self, loader: Any = None, log_dir: str | None = None) -> Any:
+    def report(self, loader: Any = None, log_dir: str | None = None, show: bool = True) -> Any:
         """Where step time went on every rank since the last report, and the verdict; on every replica.
 
-        The chief prints the table; with ``log_dir`` it also writes TensorBoard scalars and a
-        PNG there. ``loader`` (from ``distribute``) lets an input-bound verdict name its stage.
+        The chief prints the table (``show``); with ``log_dir`` it also writes TensorBoard scalars,
+        JSON and a PNG there. ``loader`` (from ``distribute``) lets an input-bound verdict name its stage.
         """
         from loom.diagnostics.report import report
 
-        return report(self, loader=loader, log_dir=log_dir)
+        return report(self, loader=loader, log_dir=log_dir, show=show)
 
     def job_report(self) -> dict[str, float] | None:
         """Figures about the whole job that only some strategies have (parameter servers); else None."""

@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 from loom.data import DistributedLoader
 from loom.diagnostics.breakdown import timed_batches
-from loom.diagnostics.report import report
-from loom.strategies import Strategy, auto_strategy
+from loom.diagnostics.report import mention_advice, report
+from loom.strategies import Strategy, auto_strategy, unwrap
 from loom.strategies.base import OptimizerFactory
 from loom.strategies.step import batch_len, slice_batch
 from loom.train.backup import BackupAndRestore
@@ -159,6 +159,7 @@ def fit(
         first_epoch = backup.restore(state, train)
     for cb in hooks:
         cb.on_train_begin(state)
+    inputs = None
     for epoch in range(first_epoch, epochs):
         state.epoch = epoch
         train.set_epoch(epoch)
@@ -190,8 +191,10 @@ def fit(
             backup.after_epoch(state, train)
         for cb in hooks:
             cb.on_epoch_end(state, logs)
-        report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=progress)  # the step breakdown
-        if state.stop:
+        breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=progress)
+        if state.stop or epoch == epochs - 1:
+            if progress:  # when loom.advise recommends another strategy, say so
+                mention_advice(strategy, unwrap(prepared), inputs, breakdown)
             break
     for cb in hooks:
         cb.on_train_end(state)

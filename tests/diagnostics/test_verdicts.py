@@ -1,0 +1,141 @@
+"""The breakdown and its verdict on jobs built to be bound by one thing each, on 2 gloo ranks.
+
+One launched job runs every scenario (a fresh strategy each, on the same process group).
+The slow parts are sleeps, so the verdicts hold on a loaded machine: what a scenario makes
+slow is time the recorder must put in the right place, whatever the CPU does meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from tests.helpers import run_ranks
+
+pytestmark = pytest.mark.xdist_group("verdicts")  # its tests share one launched job
+
+SLEEP = 0.04
+STEPS = 6
+
+
+class Sleepy(nn.Module):
+    """A tiny model whose forward takes ``seconds`` (device time, as the recorder sees it)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.layer = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return self.layer(x)
+
+
+def _data(n: int = 16 * (STEPS + 1)) -> TensorDataset:
+    return TensorDataset(torch.randn(n, 8), torch.randint(0, 2, (n,)))
+
+
+def _slow_read(sample):
+    time.sleep(SLEEP / 4)
+    return sample
+
+
+def _delayed_allreduce(state, bucket):
+    """The default all-reduce, then a wait: a slow link, as the job sees it."""
+    buffer = bucket.buffer().div_(dist.get_world_size())
+
+    def late(fut):
+        time.sleep(SLEEP)
+        return fut.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(late)
+
+
+def _scenarios(log_dir: str) -> dict:
+    import loom
+    from loom.data import from_tensors
+
+    results = {}
+    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+
+    # compute-bound, through fit (its report runs at the epoch's end; strategy.report() after is empty)
+    strategy = loom.MirroredStrategy()
+    loom.fit(Sleepy(SLEEP), F.cross_entropy, sgd, _data(), batch_size=16, strategy=strategy, progress=False, log_dir=log_dir)
+    results["fit_empty_after"] = strategy.report(show=False).verdict.kind
+
+    # input-bound, through fit over a pipeline whose map is slow: the verdict names the stage
+    strategy = loom.MirroredStrategy()
+    x, y = _data().tensors
+    pipeline = from_tensors(x, y).map(_slow_read, name="slow_read").batch(16)
+    model, opt = strategy.prepare(Sleepy(0.0), sgd)
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    loader = strategy.distribute(pipeline)
+    for xb, yb in loader:
+        step(xb, yb)
+    results["input"] = strategy.report(loader=loader, show=False)
+
+    # communication-bound, through train_step, with a delay in the comm hook
+    strategy = loom.MirroredStrategy()
+    model, opt = strategy.prepare(Sleepy(0.0), sgd)
+    model.register_comm_hook(None, _delayed_allreduce)
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    for xb, yb in strategy.distribute(_data(), batch_size=16):
+        step(xb, yb)
+    results["comm"] = strategy.report(show=False)
+
+    # straggler-bound, through the eager loop: rank 1 computes longer
+    strategy = loom.MirroredStrategy()
+    model, opt = strategy.prepare(Sleepy(SLEEP if strategy.replica_id == 1 else 0.0), sgd)
+    for xb, yb in strategy.distribute(_data(), batch_size=16):
+        strategy.backward(F.cross_entropy(model(xb), yb))
+        opt.step()
+        opt.zero_grad()
+    results["straggler"] = strategy.report(show=False)
+    strategy.shutdown()
+    return results
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("verdicts")
+    return run_ranks(_scenarios, 2, str(log_dir), timeout=120), log_dir
+
+
+def test_compute_bound_job_gets_no_false_verdict_and_fit_writes_table_png_and_tensorboard(job):
+    results, log_dir = job
+    saved = (log_dir / "breakdown-1.json").read_text()
+    assert '"kind": "compute-bound"' in saved, saved
+    assert (log_dir / "breakdown-1.png").stat().st_size > 1000
+    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert results[0]["fit_empty_after"] == "no steps"  # fit's report started a new window
+
+
+def test_input_bound_names_the_slow_stage(job):
+    for report in (r["input"] for r in job[0]):
+        assert report.verdict.kind == "input-bound", report.table()
+        assert "'slow_read'" in report.verdict.message
+        assert all(r.steps == STEPS and r.seconds["input"] > SLEEP for r in report.ranks), report.table()
+
+
+def test_communication_bound_quotes_bytes_and_bandwidth(job):
+    report = job[0][0]["comm"]
+    assert report.verdict.kind == "communication-bound", report.table()
+    assert "bytes per step" in report.verdict.message and "/s" in report.verdict.message
+    assert "compression='bf16'" in report.verdict.message
+    assert report.bandwidth and report.bandwidth > 0
+    assert all(r.seconds["comm"] > 0.8 * SLEEP for r in report.ranks), report.table()
+
+
+def test_straggler_bound_names_the_sleeping_rank(job):
+    report = job[0][0]["straggler"]
+    assert report.verdict.kind == "straggler-bound", report.table()
+    assert report.verdict.rank == 1
+    assert "rank 1 (host " in report.verdict.message
+    assert report.ranks[0].seconds["comm"] > 0.8 * SLEEP  # rank 0 waited for it in the all-reduce
+    assert report.ranks[1].seconds["compute"] > SLEEP
