@@ -7,6 +7,8 @@ slow is time the recorder must put in the right place, whatever the CPU does mea
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 
 import pytest
@@ -66,7 +68,10 @@ def _scenarios(log_dir: str) -> dict:
 
     # compute-bound, through fit (its report runs at the epoch's end; strategy.report() after is empty)
     strategy = loom.MirroredStrategy()
-    loom.fit(Sleepy(SLEEP), F.cross_entropy, sgd, _data(), batch_size=16, strategy=strategy, progress=False, log_dir=log_dir)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loom.fit(Sleepy(SLEEP), F.cross_entropy, sgd, _data(), batch_size=16, strategy=strategy, log_dir=log_dir)
+    results["printed"] = printed.getvalue()
     results["fit_empty_after"] = strategy.report(show=False).verdict.kind
 
     # input-bound, through fit over a pipeline whose map is slow: the verdict names the stage
@@ -139,3 +144,10 @@ def test_straggler_bound_names_the_sleeping_rank(job):
     assert "rank 1 (host " in report.verdict.message
     assert report.ranks[0].seconds["comm"] > 0.8 * SLEEP  # rank 0 waited for it in the all-reduce
     assert report.ranks[1].seconds["compute"] > SLEEP
+
+
+def test_fit_prints_the_table_on_the_chief(job):
+    printed = job[0][0]["printed"]
+    assert f"step breakdown: {STEPS} step(s) per rank" in printed and "verdict: compute-bound" in printed, printed
+    assert "   1  " in printed  # a row per rank
+    assert job[0][1]["printed"] == ""
