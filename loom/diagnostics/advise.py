@@ -150,7 +150,7 @@ def measure(
     """The model's own facts; its parameters, gradients and buffers stay as they were."""
     args = sample_batch if isinstance(sample_batch, tuple) else (sample_batch,)
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
-    batch = _batchsize(args)
+    batch = _batch_size(args)
     params = [p for p in model.parameters() if p.requires_grad]
     tables = [m for m in model.modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
     touched: dict[int, set[int]] = {id(m): set() for m in tables}
@@ -169,8 +169,8 @@ def measure(
             h.remove()
     rows = sum(m.num_embeddings for m in tables)
     return Facts(
-        parameter_bytes=sum(p.numel() * p.elementsize() for p in params),
-        embedding_bytes=sum(m.weight.numel() * m.weight.elementsize() for m in tables if m.weight.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        embedding_bytes=sum(m.weight.numel() * m.weight.element_size() for m in tables if m.weight.requires_grad),
         embedding_rows=rows,
         rows_touched=sum(len(s) for s in touched.values()) / rows if rows else 0.0,
         activation_bytes_per_sample=saved.bytes / batch,
@@ -314,7 +314,7 @@ def _row_counter(rows: set[int]) -> Callable[..., None]:
 
 def _bytes(out: Any) -> int:
     if isinstance(out, torch.Tensor):
-        return out.numel() * out.elementsize()
+        return out.numel() * out.element_size()
     if isinstance(out, (list, tuple)):
         return sum(_bytes(o) for o in out)
     if isinstance(out, dict):
@@ -329,7 +329,7 @@ def _loss(out: Any, loss_fn: Callable[[Any], torch.Tensor] | None) -> torch.Tens
     return sum(t.float().sum() for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
-def _batchsize(args: tuple) -> int:
+def _batch_size(args: tuple) -> int:
     size = batch_size_of(args)
     if not size:
         raise TypeError("advise() needs a sample batch with a batch dimension: a tensor, or a tuple of the model's arguments")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import time
+import weakref
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -40,14 +41,10 @@ class StepRecorder:
         self.owner = owner  # the strategy: under ``loom scale`` it reports and ends the run
         self.limit = steps_limit()
         self.counted = 0  # steps counted since the start, for the limit
-        self.enabled = True
-        self.sums = dict.fromkeys(PARTS, 0.0)
-        self.steps = 0
-        self.samples = 0
         self.grad_bytes = 0  # gradients this rank's model produces per step (what an all-reduce moves)
         self.embedding_bytes = 0  # ... of which embedding tables
         self.host = socket.gethostname()
-        self._hooked: set[int] = set()
+        self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._optimizer_hooked = False
         self.in_train_step = False  # train_step ends its own step (after the scheduler and zero_grad)
         self.reset()
@@ -69,8 +66,8 @@ class StepRecorder:
     # ---- wiring ------------------------------------------------------------------------------
     def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Hook ``model`` (forward start, gradients ready) and the first optimizer prepared."""
-        if id(model) not in self._hooked:
-            self._hooked.add(id(model))
+        if model not in self._hooked:
+            self._hooked.add(model)
             model.register_forward_pre_hook(self._forward_hook)
             for p in model.parameters():
                 if p.requires_grad:
@@ -104,7 +101,7 @@ class StepRecorder:
 
     def forward_begins(self, samples: int = 0) -> None:
         """A micro-batch of ``samples`` starts its forward pass (later calls in it are ignored)."""
-        if not self.enabled or self._forward is not None:
+        if self._forward is not None:
             return
         now = time.perf_counter()
         if self._step_start is None:

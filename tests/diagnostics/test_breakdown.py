@@ -14,7 +14,7 @@ import loom
 from loom.diagnostics.breakdown import StepRecorder
 from loom.diagnostics.verdict import JobFacts, RankTimes, decide
 
-WAIT = 0.02
+WAIT = 0.05
 
 
 class Slow(nn.Module):
@@ -43,7 +43,7 @@ def _check(report, steps: int) -> None:
     rank = report.ranks[0]
     assert rank.steps == steps and rank.samples == 8 * steps, report.table()
     assert rank.seconds["input"] >= WAIT and rank.seconds["compute"] >= WAIT and rank.seconds["optimizer"] >= WAIT, report.table()
-    assert rank.seconds["comm"] < WAIT / 2 and rank.seconds["other"] < WAIT / 2, report.table()
+    assert rank.seconds["comm"] < WAIT / 2 and rank.seconds["other"] < WAIT / 2, report.table()  # a loaded machine may add a few ms
     assert abs(sum(rank.seconds[p] for p in ("input", "compute", "comm", "optimizer", "other")) - rank.total) < 1e-9
 
 

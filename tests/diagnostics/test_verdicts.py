@@ -60,8 +60,13 @@ def _delayed_allreduce(state, bucket):
 
 
 def _scenarios(log_dir: str) -> dict:
+    import faulthandler
+    import sys
+
     import loom
     from loom.data import from_tensors
+
+    faulthandler.dump_traceback_later(100, exit=True, file=sys.stderr)  # a stuck rank shows where, before the test's timeout
 
     results = {}
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
@@ -103,6 +108,7 @@ def _scenarios(log_dir: str) -> dict:
         opt.zero_grad()
     results["straggler"] = strategy.report(show=False)
     strategy.shutdown()
+    faulthandler.cancel_dump_traceback_later()
     return results
 
 

@@ -1,0 +1,128 @@
+"""What the step breakdown's recording costs per step, against the same loop without it and plain PyTorch.
+
+Three contenders in one process (OneDeviceStrategy: the hooks do not depend on communication),
+in interleaved blocks with the order alternating per round, so machine noise hits all alike:
+
+- plain PyTorch: the hand-written loop;
+- loom, recording off: the strategy's recorder replaced by one that does nothing;
+- loom, recording on: as shipped (a forward pre-hook, a hook per parameter, two optimizer hooks).
+
+The cost per step is resolved on two tiny models (all fixed cost: one with 2 parameters, one
+with 200, since each parameter has a hook), and related to the step time of the training
+workloads W1 and W2 (``bench/workloads.py``), measured in the same run.
+
+    python bench/breakdown_overhead.py [--rounds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import loom  # noqa: E402
+from workloads import RESULTS, TINY, WORKLOADS, Workload, endless, loom_step, machine, save, sgd_step, timed  # noqa: E402
+
+CONTENDERS = ("plain PyTorch", "loom, recording off", "loom, recording on")
+MANY = Workload("many", "200 parameters: 100 x Linear 8->8, global batch 64", 64, lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(100)]), (8,), classes=8)
+
+
+class NoRecording:
+    """A recorder that hooks nothing and records nothing: loom as it was before the breakdown."""
+
+    in_train_step = False
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *args, **kwargs: None
+
+
+def steps_for(workload: Workload, batches: int) -> dict[str, Callable[[], None]]:
+    data = workload.data(batches=batches)
+    torch.manual_seed(0)
+    plain = workload.build()
+    opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    off = loom.OneDeviceStrategy()
+    off.__dict__["step_recorder"] = NoRecording()  # the cached property, taken before prepare hooks anything
+    return {
+        "plain PyTorch": sgd_step(plain, opt, endless(DataLoader(data, batch_size=workload.global_batch, shuffle=True)), lambda loss: loss.backward()),
+        "loom, recording off": loom_step(off, workload, data),
+        "loom, recording on": loom_step(loom.OneDeviceStrategy(), workload, data),
+    }
+
+
+def measure(workload: Workload, rounds: int, block: int) -> dict[str, float]:
+    """Median seconds per step of each contender."""
+    steps = steps_for(workload, batches=8)
+    for step in steps.values():
+        timed(step, 2, sync=lambda: None)
+    seconds: dict[str, list[float]] = {name: [] for name in CONTENDERS}
+    for round_ in range(rounds):
+        for name in CONTENDERS if round_ % 2 == 0 else CONTENDERS[::-1]:
+            seconds[name].append(timed(steps[name], block, sync=lambda: None) / block)
+    return {name: statistics.median(s) for name, s in seconds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    results: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "fixed_cost_us": {}, "workloads": {}}
+    for workload in (TINY, MANY):
+        per_step = measure(workload, 3 * args.rounds, 100)
+        cost = (per_step["loom, recording on"] - per_step["loom, recording off"]) * 1e6
+        results["fixed_cost_us"][workload.name] = {"us_per_step": {k: v * 1e6 for k, v in per_step.items()}, "recording_us": cost}
+        print(f"{workload.name} ({workload.description}): " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in per_step.items()) + f"  -> recording costs {cost:.1f} us/step", flush=True)
+    recording_us = max(results["fixed_cost_us"]["tiny"]["recording_us"], 0.0)  # the workloads have few parameters, like tiny
+    for workload in WORKLOADS.values():
+        per_step = measure(workload, args.rounds, 3)
+        off, on = per_step["loom, recording off"], per_step["loom, recording on"]
+        results["workloads"][workload.name] = {
+            "description": workload.description,
+            "ms_per_step": {k: v * 1e3 for k, v in per_step.items()},
+            "measured_ratio_on_to_off": on / off,
+            "recording_share_of_step": recording_us * 1e-6 / off,
+        }
+        print(
+            f"{workload.name} ({workload.description}): " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in per_step.items())
+            + f"  -> on/off {on / off:.3f}x; the {recording_us:.1f} us of recording is {recording_us * 1e-6 / off:.4%} of a step",
+            flush=True,
+        )  # fmt: skip
+    path = save("breakdown_overhead", results)
+    plot(results, RESULTS / "breakdown_overhead.png")
+    print(f"saved {path} and {RESULTS / 'breakdown_overhead.png'}")
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    names = list(results["fixed_cost_us"])
+    width = 0.8 / len(CONTENDERS)
+    for i, contender in enumerate(CONTENDERS):
+        left.bar([j + i * width for j in range(len(names))], [results["fixed_cost_us"][n]["us_per_step"][contender] for n in names], width, label=contender)
+    left.set_xticks([j + width for j in range(len(names))], names)
+    left.set_ylabel("us per step (one process)")
+    left.set_title("fixed cost per step")
+    left.legend(fontsize=8)
+    workloads = list(results["workloads"])
+    for i, contender in enumerate(CONTENDERS):
+        right.bar([j + i * width for j in range(len(workloads))], [results["workloads"][w]["ms_per_step"][contender] for w in workloads], width, label=contender)
+    right.set_xticks([j + width for j in range(len(workloads))], workloads)
+    right.set_ylabel("ms per step (one process)")
+    right.set_title("training workloads")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
