@@ -1,7 +1,9 @@
 """What the step breakdown's recording costs per step, against the same loop without it and plain PyTorch.
 
-Three contenders in one process (OneDeviceStrategy: the hooks do not depend on communication),
-in interleaved blocks with the order alternating per round, so machine noise hits all alike:
+Three contenders in one process and one thread (OneDeviceStrategy: the hooks do not depend on
+communication), in interleaved blocks with the order alternating per round, so machine noise
+hits all alike. Each block is timed in CPU seconds of this process (``time.process_time``),
+not wall time: on a machine shared with other jobs the wall clock mostly measures the others.
 
 - plain PyTorch: the hand-written loop;
 - loom, recording off: the strategy's recorder replaced by one that does nothing;
@@ -11,7 +13,7 @@ The cost per step is resolved on two tiny models (all fixed cost: one with 2 par
 with 200, since each parameter has a hook), and related to the step time of the training
 workloads W1 and W2 (``bench/workloads.py``), measured in the same run.
 
-    python bench/breakdown_overhead.py [--rounds 4]
+    python bench/breakdown_overhead.py [--rounds 4] [--block 100]
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,7 +31,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loom  # noqa: E402
-from workloads import RESULTS, TINY, WORKLOADS, Workload, endless, loom_step, machine, save, sgd_step, timed  # noqa: E402
+from workloads import RESULTS, TINY, WORKLOADS, Workload, endless, loom_step, machine, save, sgd_step  # noqa: E402
 
 CONTENDERS = ("plain PyTorch", "loom, recording off", "loom, recording on")
 MANY = Workload("many", "200 parameters: 100 x Linear 8->8, global batch 64", 64, lambda: nn.Sequential(*[nn.Linear(8, 8) for _ in range(100)]), (8,), classes=8)
@@ -57,25 +60,35 @@ def steps_for(workload: Workload, batches: int) -> dict[str, Callable[[], None]]
     }
 
 
+def cpu_timed(step: Callable[[], None], steps: int) -> float:
+    """CPU seconds this process spends on ``steps`` steps."""
+    start = time.process_time()
+    for _ in range(steps):
+        step()
+    return time.process_time() - start
+
+
 def measure(workload: Workload, rounds: int, block: int) -> dict[str, float]:
-    """Median seconds per step of each contender."""
+    """Median CPU seconds per step of each contender."""
     steps = steps_for(workload, batches=8)
     for step in steps.values():
-        timed(step, 2, sync=lambda: None)
+        cpu_timed(step, 2)
     seconds: dict[str, list[float]] = {name: [] for name in CONTENDERS}
     for round_ in range(rounds):
         for name in CONTENDERS if round_ % 2 == 0 else CONTENDERS[::-1]:
-            seconds[name].append(timed(steps[name], block, sync=lambda: None) / block)
+            seconds[name].append(cpu_timed(steps[name], block) / block)
     return {name: statistics.median(s) for name, s in seconds.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds (x3 for the tiny models)")
+    parser.add_argument("--block", type=int, default=100, help="tiny-model steps per timed block")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # CPU time then is the step's work, not threads spinning while descheduled
     results: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "fixed_cost_us": {}, "workloads": {}}
     for workload in (TINY, MANY):
-        per_step = measure(workload, 3 * args.rounds, 100)
+        per_step = measure(workload, 3 * args.rounds, args.block)
         cost = (per_step["loom, recording on"] - per_step["loom, recording off"]) * 1e6
         results["fixed_cost_us"][workload.name] = {"us_per_step": {k: v * 1e6 for k, v in per_step.items()}, "recording_us": cost}
         print(f"{workload.name} ({workload.description}): " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in per_step.items()) + f"  -> recording costs {cost:.1f} us/step", flush=True)
@@ -111,14 +124,14 @@ def plot(results: dict, path: Path) -> None:
     for i, contender in enumerate(CONTENDERS):
         left.bar([j + i * width for j in range(len(names))], [results["fixed_cost_us"][n]["us_per_step"][contender] for n in names], width, label=contender)
     left.set_xticks([j + width for j in range(len(names))], names)
-    left.set_ylabel("us per step (one process)")
+    left.set_ylabel("CPU us per step (one thread)")
     left.set_title("fixed cost per step")
     left.legend(fontsize=8)
     workloads = list(results["workloads"])
     for i, contender in enumerate(CONTENDERS):
         right.bar([j + i * width for j in range(len(workloads))], [results["workloads"][w]["ms_per_step"][contender] for w in workloads], width, label=contender)
     right.set_xticks([j + width for j in range(len(workloads))], workloads)
-    right.set_ylabel("ms per step (one process)")
+    right.set_ylabel("CPU ms per step (one thread)")
     right.set_title("training workloads")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -15,8 +15,8 @@ Marks are host clock readings taken at points the step passes anyway:
   left (clipping, the scheduler, the loop's own code) is "other".
 
 Only sums are kept (constant memory); the first step after each reset is start-up and is
-left out. On CUDA the marks are host times: compute launched but not finished shows up where
-the host next waits for the device.
+left out. The marks are host times: on an accelerator, whose kernels run after the host has
+moved on, they do not say where the device's time goes, and the report gives no verdict there.
 """
 
 from __future__ import annotations

@@ -24,6 +24,14 @@ HOST_BYTES = 64
 PROBE_BYTES = 8 * 2**20  # the bandwidth probe all-reduces up to this much (or the gradients' size)
 
 
+# The marks are host clock readings; an accelerator runs its queued work after the host moves on.
+HOST_TIMED = Verdict(
+    "host-timed",
+    "no verdict: these are host times, and the device runs its queued kernels asynchronously, so they do not "
+    "say where the device's time goes (device timing is not built yet)",
+)
+
+
 @dataclass
 class BreakdownReport:
     """Every rank's mean seconds per step, the verdict, and the measured all-reduce bandwidth."""
@@ -68,7 +76,8 @@ def report(
     )
     if _comm_matters(ranks):
         facts.bandwidth = bandwidth(strategy, recorder.grad_bytes)
-    result = BreakdownReport(ranks, decide(ranks, facts), facts.bandwidth, _throughput(ranks))
+    verdict = decide(ranks, facts) if strategy.device.type == "cpu" else HOST_TIMED
+    result = BreakdownReport(ranks, verdict, facts.bandwidth, _throughput(ranks))
     recorder.reset()
     if strategy.is_chief:
         if show:
@@ -87,7 +96,7 @@ def mention_advice(strategy: Any, model: Any, inputs: Any, result: BreakdownRepo
     from loom.diagnostics.advise import advise, describe
 
     counted = [r.seconds["compute"] for r in result.ranks if r.steps]
-    if strategy.num_replicas_in_sync < 2 or not counted or not batch_size_of(inputs):
+    if strategy.num_replicas_in_sync < 2 or not counted or not batch_size_of(inputs) or result.verdict is HOST_TIMED:
         return
     advice = advise(model, (inputs,), strategy=strategy, compute_seconds=statistics.median(counted))
     if strategy.is_chief and advice.recommendation != describe(strategy):
