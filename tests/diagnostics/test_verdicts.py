@@ -61,55 +61,71 @@ def _delayed_allreduce(state, bucket):
     return dist.all_reduce(buffer, async_op=True).get_future().then(late)
 
 
-def _scenarios(log_dir: str) -> dict:
-    import faulthandler
-    import sys
+SGD = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
 
-    import loom
-    from loom.data import from_tensors
 
-    faulthandler.dump_traceback_later(100, exit=True, file=sys.stderr)  # a stuck rank shows where, before the test's timeout
-
-    results = {}
-    sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
-
-    # compute-bound, through fit (its report runs at the epoch's end; strategy.report() after is empty)
+def _compute_bound_fit(loom, log_dir: str) -> dict:
+    """fit's report runs at the epoch's end (strategy.report() after it finds no steps)."""
     strategy = loom.MirroredStrategy()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        loom.fit(Sleepy(COMPUTE), F.cross_entropy, sgd, _data(), batch_size=16, strategy=strategy, log_dir=log_dir)
-    results["printed"] = printed.getvalue()
-    results["fit_empty_after"] = strategy.report(show=False).verdict.kind
+        loom.fit(Sleepy(COMPUTE), F.cross_entropy, SGD, _data(), batch_size=16, strategy=strategy, log_dir=log_dir)
+    return {"printed": printed.getvalue(), "fit_empty_after": strategy.report(show=False).verdict.kind}
 
-    # input-bound, through fit over a pipeline whose map is slow: the verdict names the stage
+
+def _input_bound_train_step(loom):
+    """A pipeline whose map is slow, through train_step: the verdict names the stage."""
+    from loom.data import from_tensors
+
     strategy = loom.MirroredStrategy()
     x, y = _data().tensors
-    pipeline = from_tensors(x, y).map(_slow_read, name="slow_read").batch(16)
-    model, opt = strategy.prepare(Sleepy(0.0), sgd)
+    model, opt = strategy.prepare(Sleepy(0.0), SGD)
     step = strategy.train_step(model, F.cross_entropy, opt)
-    loader = strategy.distribute(pipeline)
+    loader = strategy.distribute(from_tensors(x, y).map(_slow_read, name="slow_read").batch(16))
     for xb, yb in loader:
         step(xb, yb)
-    results["input"] = strategy.report(loader=loader, show=False)
+    return strategy.report(loader=loader, show=False)
 
-    # communication-bound, through train_step, with a delay in the comm hook
+
+def _communication_bound_train_step(loom):
+    """A delay in the comm hook, through train_step."""
     strategy = loom.MirroredStrategy()
-    model, opt = strategy.prepare(Sleepy(0.0), sgd)
+    model, opt = strategy.prepare(Sleepy(0.0), SGD)
     model.register_comm_hook(None, _delayed_allreduce)
     step = strategy.train_step(model, F.cross_entropy, opt)
     for xb, yb in strategy.distribute(_data(), batch_size=16):
         step(xb, yb)
-    results["comm"] = strategy.report(show=False)
+    return strategy.report(show=False)
 
-    # straggler-bound, through the eager loop: rank 1 computes longer
+
+def _straggler_bound_eager(loom):
+    """Rank 1 computes longer, in the eager loop."""
     strategy = loom.MirroredStrategy()
-    model, opt = strategy.prepare(Sleepy(STRAGGLE if strategy.replica_id == 1 else 0.0), sgd)
+    model, opt = strategy.prepare(Sleepy(STRAGGLE if strategy.replica_id == 1 else 0.0), SGD)
     for xb, yb in strategy.distribute(_data(), batch_size=16):
         strategy.backward(F.cross_entropy(model(xb), yb))
         opt.step()
         opt.zero_grad()
-    results["straggler"] = strategy.report(show=False)
-    strategy.shutdown()
+    return strategy.report(show=False)
+
+
+def _scenarios(log_dir: str) -> dict:
+    """Every scenario on a fresh strategy sharing the process group; each one's DDP model is
+    gone before the next (a DDP reducer left to interpreter teardown can deadlock destroying
+    the group, which loom's launched workers avoid by leaving with os._exit)."""
+    import faulthandler
+    import gc
+    import sys
+
+    import loom
+
+    faulthandler.dump_traceback_later(100, exit=True, file=sys.stderr)  # a stuck rank shows where, before the test's timeout
+    results = _compute_bound_fit(loom, log_dir)
+    results["input"] = _input_bound_train_step(loom)
+    results["comm"] = _communication_bound_train_step(loom)
+    results["straggler"] = _straggler_bound_eager(loom)
+    gc.collect()
+    loom.MirroredStrategy().barrier()
     faulthandler.cancel_dump_traceback_later()
     return results
 
