@@ -134,10 +134,15 @@ def main() -> None:
         params = sum(1 for _ in workload.build().parameters())
         results["fixed_cost_us"][workload.name] = {"parameters": params, "us_per_step": {k: v * 1e6 for k, v in per_step.items()}, "recording_us": cost}
         print(f"{workload.name} ({workload.description}): " + "  ".join(f"{k} {v * 1e6:.1f} us" for k, v in per_step.items()) + f"  -> recording costs {cost:.1f} us/step (median of paired blocks)", flush=True)
-    fixed = direct_cost_us(0)
-    per_parameter = (direct_cost_us(200) - fixed) / 200
-    results["recording_us_direct"] = {"fixed": fixed, "per_parameter": per_parameter}
-    print(f"the recorder's own work, called directly: {fixed:.2f} us per step + {per_parameter:.3f} us per parameter", flush=True)
+    direct = direct_cost_us(0)
+    direct_per_parameter = (direct_cost_us(200) - direct) / 200
+    results["recording_us_direct"] = {"fixed": direct, "per_parameter": direct_per_parameter}
+    print(f"the recorder's own Python, called directly: {direct:.2f} us per step + {direct_per_parameter:.3f} us per parameter", flush=True)
+    tiny, many = results["fixed_cost_us"]["tiny"], results["fixed_cost_us"]["many"]
+    per_parameter = max((many["recording_us"] - tiny["recording_us"]) / (many["parameters"] - tiny["parameters"]), 0.0)
+    fixed = max(tiny["recording_us"] - per_parameter * tiny["parameters"], 0.0)
+    results["recording_us_paired"] = {"fixed": fixed, "per_parameter": per_parameter}
+    print(f"recording with torch's hook dispatch (paired blocks): {fixed:.1f} us per step + {per_parameter:.2f} us per parameter", flush=True)
     for workload in WORKLOADS.values():
         per_step = measure(workload, args.rounds, 3)
         off, on = per_step["loom, recording off"], per_step["loom, recording on"]

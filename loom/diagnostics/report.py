@@ -145,9 +145,11 @@ def bandwidth(strategy: Any, size: int) -> float | None:
 
 
 def write(result: BreakdownReport, log_dir: Path, step: int | None = None) -> None:
-    """TensorBoard scalars (ms per step of each part, per rank), the verdict as text, and a PNG."""
+    """Into ``log_dir/breakdown`` (TensorBoard shows it as a run of its own, beside the training's):
+    scalars (ms per step of each part, per rank), the verdict as text, the JSON and a PNG."""
     from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: only where used
 
+    log_dir = log_dir / "breakdown"
     log_dir.mkdir(parents=True, exist_ok=True)
     with SummaryWriter(str(log_dir)) as writer:
         for r in result.ranks:

@@ -138,10 +138,11 @@ def job(tmp_path_factory):
 
 def test_compute_bound_job_gets_no_false_verdict_and_fit_writes_table_png_and_tensorboard(job):
     results, log_dir = job
-    saved = (log_dir / "breakdown-1.json").read_text()
+    saved = (log_dir / "breakdown" / "breakdown-1.json").read_text()
     assert '"kind": "compute-bound"' in saved, saved
-    assert (log_dir / "breakdown-1.png").stat().st_size > 1000
-    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert (log_dir / "breakdown" / "breakdown-1.png").stat().st_size > 1000
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # fit's own, and the breakdown's apart:
+    assert len(list((log_dir / "breakdown").glob("events.out.tfevents.*"))) == 1
     assert results[0]["fit_empty_after"] == "no steps"  # fit's report started a new window
 
 
