@@ -367,7 +367,7 @@ class Strategy(ABC):
         """Where step time went on every rank since the last report, and the verdict; on every replica.
 
         The chief prints the table (``show``); with ``log_dir`` it also writes TensorBoard scalars,
-        JSON and a PNG there. ``loader`` (from ``distribute``) lets an input-bound verdict name its stage.
+        JSON and a PNG of stacked bars per rank in ``log_dir/breakdown``. ``loader`` (from ``distribute``) lets an input-bound verdict name its stage.
         """
         from loom.diagnostics.report import report
 

@@ -128,7 +128,9 @@ def fit(
     micro-batches. With ``log_dir`` the chief writes TensorBoard scalars there. Returns the
     history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s), reduced over all
     replicas and counting each real sample once (not the padding of an uneven last batch),
-    which is also what callbacks receive.
+    which is also what callbacks receive. After each epoch the chief prints where every rank's
+    step time went and a verdict (``loom.diagnostics``; with ``log_dir`` also to TensorBoard and
+    a PNG), and the last one says when ``loom.advise`` recommends another strategy.
 
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
     ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
