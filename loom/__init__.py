@@ -49,6 +49,7 @@ __all__ = [
     "TensorBoard",
     "TensorParallelStrategy",
     "TPUStrategy",
+    "advise",
     "auto_strategy",
     "comm",
     "evaluate",
@@ -57,3 +58,12 @@ __all__ = [
     "launch",
     "unwrap",
 ]
+
+
+def __getattr__(name: str):
+    """``loom.advise`` is imported on first use: the diagnostics stay out of ``import loom``."""
+    if name == "advise":
+        from loom.diagnostics.advise import advise
+
+        return advise
+    raise AttributeError(f"module 'loom' has no attribute {name!r}")

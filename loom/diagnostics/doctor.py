@@ -220,7 +220,7 @@ def doctor(opts: LaunchOptions, checkpoint_dir: str | None = None, wait: float =
     reports = _gather(store, "report", node.nnodes, wait)
     if len(reports) < node.nnodes:
         missing = ", ".join(str(r) for r in range(node.nnodes) if r not in reports)
-        verdict = [Finding(False, f"node(s) {missing} did not report within {wait:g}s", f"run `loom doctor` there with the same --nnodes and --master")]
+        verdict = [Finding(False, f"node(s) {missing} did not report within {wait:g}s", "run `loom doctor` there with the same --nnodes and --master")]
     else:
         if node.node_rank and reports[0]["checkpoint"]:
             report["sees_node0_checkpoint"] = Path(report["checkpoint"] or "/nonexistent", ".loom-doctor-node0").exists()

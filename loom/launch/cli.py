@@ -27,15 +27,17 @@ def _value_type(hint: Any) -> Any:
     return options[0] if options else hint
 
 
-def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+def _add_launch_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     hints = typing.get_type_hints(LaunchOptions)
     for f in fields(LaunchOptions):
+        if f.name in skip:
+            continue
         default = None if f.default is MISSING else f.default
         parser.add_argument("--" + f.name.replace("_", "-"), type=_value_type(hints[f.name]), default=default, help=f.metadata["help"])
 
 
 def _options(args: argparse.Namespace) -> LaunchOptions:
-    return LaunchOptions(**{f.name: getattr(args, f.name) for f in fields(LaunchOptions)})
+    return LaunchOptions(**{f.name: getattr(args, f.name, None) for f in fields(LaunchOptions)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ps-tls-key", help="parameter servers: the certificate's private key, where servers run (or LOOM_PS_TLS_KEY)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    scale = commands.add_parser("scale", help="run a training script at several sizes and chart samples/s against replicas")
+    _add_launch_options(scale, skip=("nproc", "nnodes", "node_rank", "master"))
+    scale.add_argument("--nproc", dest="sizes", default="1,2", help="the sizes to run, processes on this machine, comma-separated (default 1,2)")
+    scale.add_argument("--steps", type=int, default=20, help="training steps timed at each size (after one start-up step)")
+    scale.add_argument("--out", default="runs/scale", help="where scale.json, scale.png and each size's breakdown go")
+    scale.add_argument("script", help="the training script")
+    scale.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     env = commands.add_parser("env", help="print the cluster, devices and threads a job started here would get")
     _add_launch_options(env)
     doctor = commands.add_parser("doctor", help="check, on each node as `loom run` would start there, that a job would start")
@@ -153,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
 
             return doctor(_options(args), args.checkpoint_dir, args.wait)
         opts = _options(args)
+        if args.command == "scale":
+            from pathlib import Path
+
+            from loom.diagnostics.scale import parse_sizes, run_scale
+
+            run_scale([args.script, *args.script_args], parse_sizes(args.sizes), args.steps, Path(args.out), opts)
+            return 0
         if args.command == "env":
             rows = describe_environment(opts)
             width = max(len(k) for k, _ in rows)

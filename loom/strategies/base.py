@@ -123,6 +123,7 @@ class Strategy(ABC):
                 inner = torch.compile(inner)
             wrapped = self.precision.wrap(inner)
         if optimizer is None:
+            self.step_recorder.watch(wrapped)
             return wrapped
         if isinstance(optimizer, torch.optim.Optimizer):
             inner = optimizer
@@ -139,6 +140,7 @@ class Strategy(ABC):
         else:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or a factory, not {type(optimizer).__name__}")
         self._optimizers += 1
+        self.step_recorder.watch(wrapped, inner)
         return wrapped, StrategyOptimizer(inner, self.precision, self._may_step)
 
     def train_step(
@@ -175,6 +177,7 @@ class Strategy(ABC):
             loss = loss / self._accumulation_steps
         with self._guard():
             self.precision.scale(loss).backward(**kwargs)
+        self.step_recorder.backward_done()
         if self._accumulation_steps > 1:  # DDP decides in the forward pass whether its backward syncs
             self._set_gradient_sync((self._micro_steps + 1) % self._accumulation_steps == 0)
 
@@ -375,6 +378,23 @@ class Strategy(ABC):
             if saved is not None:
                 optimizer.scaler.load_state_dict(saved)
         return restored
+
+    @cached_property
+    def step_recorder(self) -> Any:
+        """Times every step on this rank (``loom.diagnostics.breakdown``); hooked by ``prepare``."""
+        from loom.diagnostics.breakdown import StepRecorder  # a leaf module: diagnostics sits above strategies
+
+        return StepRecorder(self)
+
+    def report(self, loader: Any = None, log_dir: str | None = None, show: bool = True) -> Any:
+        """Where step time went on every rank since the last report, and the verdict; on every replica.
+
+        The chief prints the table (``show``); with ``log_dir`` it also writes TensorBoard scalars,
+        JSON and a PNG of stacked bars per rank in ``log_dir/breakdown``. ``loader`` (from ``distribute``) lets an input-bound verdict name its stage.
+        """
+        from loom.diagnostics.report import report
+
+        return report(self, loader=loader, log_dir=log_dir, show=show)
 
     def job_report(self) -> dict[str, float] | None:
         """Figures about the whole job that only some strategies have (parameter servers); else None."""

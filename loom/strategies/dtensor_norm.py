@@ -34,7 +34,7 @@ def global_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0, groups:
     for tensor in tensors:
         if isinstance(tensor, DTensor):
             tensor = _without_partial(tensor)
-            reduce_over = tuple(tensor.device_mesh.get_group(d) for d, pl in enumerate(tensor.placements) if pl.is_shard())
+            reduce_over = tuple(tensor.device_mesh.get_group(d) for d, pl in enumerate(tensor.placements) if not pl.is_replicate())  # Shard and FSDP-over-TP's _StridedShard
             local = tensor.to_local()
         else:
             reduce_over, local = (), tensor

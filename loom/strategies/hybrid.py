@@ -25,12 +25,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
+from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline import EAGER_REFUSAL, PipelineStep, PipelineStrategy
 from loom.strategies.sharded import blocks, shard_model
 from loom.strategies.step import TrainStep
-from loom.strategies.tensor_parallel import Plan, clip_grad_norm, default_plan, resolve_plan, tensor_parallelize
+from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize
 
 
 class HybridStrategy(MeshStrategy):

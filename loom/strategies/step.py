@@ -73,17 +73,23 @@ class TrainStep:
         chunks = _micro_batches(inputs, targets, min(self.accumulate, size), size)  # a short last batch: fewer
         loss_sum: torch.Tensor | None = None
         outputs = []
+        recorder = strategy.step_recorder
+        recorder.in_train_step = True
         for i, (x, y) in enumerate(chunks):
             last = i == len(chunks) - 1
             weight = batch_len(x) / size  # the chunks' mean losses add up to the batch mean
+            recorder.forward_begins(round(size * weight))
             with strategy._guard(), (nullcontext() if last else strategy._skip_gradient_sync()):
                 out = self.model(x)
                 loss = self.loss_fn(out, y)
                 strategy.precision.scale(loss * weight).backward()
+            recorder.backward_done()
             outputs.append(_detached(out))
             part = loss.detach() * weight
             loss_sum = part if loss_sum is None else loss_sum + part
         self._update()
+        recorder.in_train_step = False
+        recorder.step_done()
         self.outputs = outputs[0] if len(outputs) == 1 else _concat(outputs)
         assert loss_sum is not None
         return loss_sum

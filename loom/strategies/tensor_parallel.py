@@ -13,17 +13,16 @@ sums in another order than one matmul does (about 1e-7 relative in fp32).
 
 from __future__ import annotations
 
-import math
 from fnmatch import fnmatch
-from typing import Mapping, Sequence, Union
+from typing import Mapping, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.mesh import MeshStrategy
 
 # The styles a plan names. "output" is column-wise with its outputs gathered (a model's last
@@ -151,52 +150,3 @@ def _sequential_pairs(seq: nn.Sequential, at: str, degree: int, plan: dict[str, 
             first = (name, child)
         elif any(True for _ in child.parameters()) or len(child._modules):
             first = None  # a layer between them that mixes features: not an element-wise pair
-
-
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0, groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over whole gradients, some of them DTensor shards; ``groups``
-    hold the other parts of the model outright (pipeline stages)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total = global_grad_norm(grads, float(norm_type), groups)
-    coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    with torch.no_grad():
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coefficient.to(g.dtype))
-    return total
-
-
-def global_grad_norm(grads: list[torch.Tensor], norm_type: float = 2.0, groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
-    """The norm of all the whole gradients, on every process.
-
-    A DTensor's local norms are combined over the mesh dimensions it is sharded on (one
-    collective per group of gradients placed alike), never over those it is replicated on,
-    where every process holds the same values. Plain tensors are whole already.
-    """
-    inf = math.isinf(norm_type)
-    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    parts: dict[tuple[DeviceMesh | None, tuple[int, ...]], list[torch.Tensor]] = {}
-    for g in grads:
-        key: tuple[DeviceMesh | None, tuple[int, ...]] = (None, ())
-        if isinstance(g, DTensor):
-            if any(p.is_partial() for p in g.placements):  # unreduced summands: their norms do not add
-                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
-            key = (g.device_mesh, tuple(i for i, p in enumerate(g.placements) if not p.is_replicate()))
-            g = g.to_local()
-        norm = torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.promote_types(g.dtype, torch.float32))
-        parts.setdefault(key, []).append(norm if inf else norm**norm_type)
-    totals = [torch.zeros((), device=_device(grads, groups))]  # a stage may hold no gradient
-    for (mesh, dims), values in parts.items():
-        total = torch.stack(values).max() if inf else torch.stack(values).sum()
-        for dim in dims:
-            dist.all_reduce(total, op, group=mesh.get_group(dim))
-        totals.append(total.to(totals[0].device))
-    combined = torch.stack(totals).max() if inf else torch.stack(totals).sum()
-    for group in groups:
-        dist.all_reduce(combined, op, group=group)
-    return combined if inf else combined ** (1.0 / norm_type)
-
-
-def _device(grads: list[torch.Tensor], groups: Sequence[dist.ProcessGroup]) -> torch.device:
-    if grads:
-        return grads[0].device
-    return torch.device("cuda", torch.cuda.current_device()) if groups and dist.get_backend(groups[0]) == "nccl" else torch.device("cpu")

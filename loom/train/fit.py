@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from loom.data import DistributedLoader
-from loom.strategies import Strategy, auto_strategy
+from loom.diagnostics.breakdown import timed_batches
+from loom.diagnostics.report import mention_advice, report
+from loom.strategies import Strategy, auto_strategy, unwrap
 from loom.strategies.base import OptimizerFactory
 from loom.strategies.step import batch_len, slice_batch
 from loom.train.backup import BackupAndRestore
@@ -126,7 +128,9 @@ def fit(
     micro-batches. With ``log_dir`` the chief writes TensorBoard scalars there. Returns the
     history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s), reduced over all
     replicas and counting each real sample once (not the padding of an uneven last batch),
-    which is also what callbacks receive.
+    which is also what callbacks receive. After each epoch the chief prints where every rank's
+    step time went and a verdict (``loom.diagnostics``; with ``log_dir`` also to TensorBoard and
+    a PNG), and the last one says when ``loom.advise`` recommends another strategy.
 
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
     ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
@@ -157,6 +161,7 @@ def fit(
         first_epoch = backup.restore(state, train)
     for cb in hooks:
         cb.on_train_begin(state)
+    inputs = None
     for epoch in range(first_epoch, epochs):
         state.epoch = epoch
         train.set_epoch(epoch)
@@ -165,7 +170,7 @@ def fit(
         totals = _Totals(metrics_, strategy.device)
         prepared.train()
         start = time.perf_counter()
-        for k, (inputs, targets) in enumerate(train):
+        for k, (inputs, targets) in enumerate(timed_batches(strategy.step_recorder, train)):
             loss = step(inputs, targets)
             n = train.valid_count(k)  # the padding of an uneven last batch is trained on, not counted
             if n == batch_len(targets):
@@ -188,7 +193,10 @@ def fit(
             backup.after_epoch(state, train)
         for cb in hooks:
             cb.on_epoch_end(state, logs)
-        if state.stop:
+        breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=progress)
+        if state.stop or epoch == epochs - 1:
+            if progress:  # when loom.advise recommends another strategy, say so
+                mention_advice(strategy, unwrap(prepared), inputs, breakdown)
             break
     for cb in hooks:
         cb.on_train_end(state)

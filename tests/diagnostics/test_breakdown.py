@@ -1,0 +1,140 @@
+"""The step recorder, in one process: each part of a step lands where it belongs, in every loop."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import loom
+from loom.diagnostics.breakdown import StepRecorder
+from loom.diagnostics.verdict import JobFacts, RankTimes, decide
+
+WAIT = 0.05
+
+
+class Slow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(WAIT)
+        return self.layer(x)
+
+
+class SlowOptimizer(torch.optim.SGD):
+    def step(self, closure=None):
+        time.sleep(WAIT)
+        return super().step(closure)
+
+
+def _slow_batches(n: int = 5):
+    for _ in range(n):
+        time.sleep(WAIT)
+        yield torch.randn(8, 4), torch.randint(0, 2, (8,))
+
+
+def _check(report, steps: int) -> None:
+    rank = report.ranks[0]
+    assert rank.steps == steps and rank.samples == 8 * steps, report.table()
+    assert rank.seconds["input"] >= WAIT and rank.seconds["compute"] >= WAIT and rank.seconds["optimizer"] >= WAIT, report.table()
+    assert rank.seconds["comm"] < WAIT / 2 and rank.seconds["other"] < WAIT / 2, report.table()  # a loaded machine may add a few ms
+    assert abs(sum(rank.seconds[p] for p in ("input", "compute", "comm", "optimizer", "other")) - rank.total) < 1e-9
+
+
+def test_eager_loop_is_recorded():
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(Slow(), lambda p: SlowOptimizer(p, lr=0.1))
+    for x, y in _slow_batches():
+        strategy.backward(F.cross_entropy(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        model(torch.randn(8, 4))  # evaluation is not a step
+    _check(strategy.report(show=False), steps=4)  # the first step is start-up
+
+
+def test_train_step_is_recorded_with_accumulation():
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(Slow(), lambda p: SlowOptimizer(p, lr=0.1))
+    step = strategy.train_step(model, F.cross_entropy, opt, accumulate=2)
+    for x, y in _slow_batches():
+        step(x, y)
+    report = strategy.report(show=False)
+    _check(report, steps=4)
+    assert report.ranks[0].seconds["compute"] >= 2 * WAIT  # two micro-batches per step
+
+
+def test_fit_is_recorded_and_its_bookkeeping_is_not_input(capsys):
+    strategy = loom.OneDeviceStrategy()
+    data = TensorDataset(torch.randn(48, 4), torch.randint(0, 2, (48,)))
+
+    class SlowCallback(loom.Callback):
+        def on_batch_end(self, state, loss):
+            time.sleep(WAIT)
+
+    loom.fit(Slow(), F.cross_entropy, lambda p: SlowOptimizer(p, lr=0.1), data, batch_size=8, strategy=strategy, callbacks=[SlowCallback()])
+    printed = capsys.readouterr().out
+    assert "step breakdown: 5 step(s) per rank" in printed and "verdict: " in printed, printed
+    row = printed.splitlines()[printed.splitlines().index(next(l for l in printed.splitlines() if l.startswith("rank"))) + 1]
+    input_ms, compute_ms, comm_ms, optimizer_ms, other_ms = map(float, row.split()[2:7])
+    assert input_ms < WAIT * 1e3 / 2 and other_ms >= WAIT * 1e3 and compute_ms >= WAIT * 1e3 and optimizer_ms >= WAIT * 1e3, printed
+
+
+def test_reset_starts_a_window_and_skips_its_first_step():
+    recorder = StepRecorder()
+    for _ in range(3):
+        recorder.forward_begins(4)
+        recorder.backward_done()
+        recorder.step_done()
+    assert recorder.steps == 2 and recorder.samples == 8
+    recorder.reset()
+    recorder.forward_begins(4)
+    recorder.backward_done()
+    recorder.step_done()
+    assert recorder.steps == 0 and recorder.means()["total"] == 0.0
+
+
+def _rank(rank: int, input=0.0, compute=0.0, comm=0.0, optimizer=0.001, other=0.001) -> RankTimes:
+    seconds = {"input": input, "compute": compute, "comm": comm, "optimizer": optimizer, "other": other}
+    seconds["total"] = sum(seconds.values())
+    return RankTimes(rank, f"host{rank}", seconds, steps=10, samples=80)
+
+
+@pytest.mark.parametrize(
+    "ranks, kind",
+    [
+        ([_rank(0, compute=0.05, comm=0.002), _rank(1, compute=0.05, comm=0.003)], "compute-bound"),
+        ([_rank(0, compute=0.01, input=0.02), _rank(1, compute=0.01, input=0.02)], "input-bound"),
+        ([_rank(0, compute=0.01, comm=0.03), _rank(1, compute=0.01, comm=0.03)], "communication-bound"),
+        ([_rank(i, compute=0.01, comm=0.04 if i != 2 else 0.0) for i in range(3)] + [_rank(3, compute=0.01, comm=0.04)], "communication-bound"),
+        ([_rank(0, compute=0.01, comm=0.03), _rank(1, compute=0.04), _rank(2, compute=0.01, comm=0.03)], "straggler-bound"),
+        ([_rank(0, compute=0.01, input=0.005, comm=0.006, other=0.01)], "balanced"),
+        ([], "no steps"),
+    ],
+)
+def test_decide(ranks, kind):
+    verdict = decide(ranks, JobFacts(grad_bytes=4_000_000, bandwidth=1e9, bucket_cap_mb=25.0))
+    assert verdict.kind == kind, verdict.message
+    if kind == "straggler-bound":
+        assert verdict.rank == 1 and "rank 1 (host host1)" in verdict.message and "30.0 ms (+250%)" in verdict.message
+    if kind == "communication-bound":
+        assert "4.0 MB per step, 4.0 ms" in verdict.message and "compression='bf16'" in verdict.message
+
+
+def test_communication_fixes_follow_the_job():
+    ranks = [_rank(0, compute=0.01, comm=0.03), _rank(1, compute=0.01, comm=0.03)]
+    sparse = decide(ranks, JobFacts(grad_bytes=100_000_000, embedding_bytes=90_000_000, compression="bf16", bucket_cap_mb=25.0))
+    assert "embedding tables are 90% of the gradient: ParameterServerStrategy" in sparse.message
+    assert "compression=" not in sparse.message and "a larger bucket_cap_mb (now 25)" in sparse.message
+
+
+def test_compute_bound_fix_depends_on_precision():
+    ranks = [_rank(0, compute=0.05)]
+    assert "precision='bf16-mixed'" in decide(ranks, JobFacts()).message
+    assert "already bf16-mixed" in decide(ranks, JobFacts(precision="bf16-mixed")).message
