@@ -154,3 +154,8 @@ def stop_checkpoint_process(timeout: float = 10.0) -> None:
     if process.is_alive():
         process.kill()
         process.join(timeout)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors, storages and NumPy arrays of this process hold ``storage``'s memory."""
+    return torch._C._storage_Use_Count(storage._cdata)
