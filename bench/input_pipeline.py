@@ -215,6 +215,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("LOOM_BENCH_DATA", Path.home() / ".cache" / "loom-bench")))
     parser.add_argument("--rounds", type=int, default=3, help="timed epochs per configuration (median)")
     parser.add_argument("--quick", action="store_true", help="4,000 images, one round: a smoke test")
+    parser.add_argument("--balanced", action="store_true", help="only the step as long as the input (not step 0)")
+    parser.add_argument("--only", nargs="+", help="only the contenders whose names contain one of these")
     args = parser.parse_args()
     images = 4_000 if args.quick else args.images
     args.rounds = 1 if args.quick else args.rounds
@@ -232,10 +234,11 @@ def main() -> None:
         bare()
     step_seconds = args.batch / statistics.median(rates[1]) / cores  # balanced: input / cores
     runs = []
-    for step in (0.0, step_seconds):
+    for step in (step_seconds,) if args.balanced else (0.0, step_seconds):
         print(f"\nstep {step * 1e3:.1f} ms:")
-        results = measure(contenders(folder, args.batch, cores), step, args.batch, args.rounds, bare)
-        results.append(tf_data(folder, args.batch, step))
+        chosen = {n: c for n, c in contenders(folder, args.batch, cores).items() if not args.only or any(o in n for o in args.only)}
+        results = measure(chosen, step, args.batch, args.rounds, bare)
+        results.append(tf_data(folder, args.batch, step) if not args.only else {"name": "tf.data", "skipped": "not chosen (--only)"})
         if "skipped" in results[-1]:
             print(f"  tf.data: skipped: {results[-1]['skipped']}")
         one, many = statistics.median(rates[1]), statistics.median(rates[cores])
@@ -263,9 +266,10 @@ def main() -> None:
             "results": results,
         })
     summary = {"images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs}
-    print(f"\nsaved {save('input_pipeline', summary)}")
-    plot(summary, RESULTS / "input_pipeline.png")
-    print(f"plot  {RESULTS / 'input_pipeline.png'}")
+    name = "input_pipeline" if not (args.only or args.balanced) else "input_pipeline_some"  # a partial run keeps the full one
+    print(f"\nsaved {save(name, summary)}")
+    plot(summary, RESULTS / f"{name}.png")
+    print(f"plot  {RESULTS / f'{name}.png'}")
 
 
 if __name__ == "__main__":
