@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import RESULTS, save  # noqa: E402
 
 import loom.data as ld  # noqa: E402
+from loom.data import runner  # noqa: E402
 from loom.data.readers import ImageFolderSource  # noqa: E402
 
 SIZE, CROP, CLASSES = 40, 32, 10
@@ -171,6 +173,17 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         pipeline = images.map(augment, num_parallel=num_parallel, method=method).batch(batch)
         return (pipeline.prefetch() if prefetch else pipeline).loader
 
+    def loom_copied(num_parallel: int) -> Callable[[], Iterable[Any]]:
+        """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
+
+        def make() -> Iterable[Any]:
+            loader = loom(num_parallel, "process", True)()
+            with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
+                loader._workers = loader._start_workers()
+            return loader
+
+        return make
+
     def dataloader(factor: int) -> Callable[[], Iterable[Any]]:
         return lambda: torch.utils.data.DataLoader(
             dataset, batch, shuffle=True, num_workers=cores, prefetch_factor=factor, persistent_workers=True
@@ -182,6 +195,7 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         f"loom map(num_parallel={cores}) threads + prefetch": loom(cores, prefetch=True),
         f"loom map(num_parallel={cores}) processes": loom(cores, "process"),
         f"loom map(num_parallel={cores}) processes + prefetch": loom(cores, "process", True),
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": loom_copied(cores),
         **{f"DataLoader(num_workers={cores}, prefetch_factor={f})": dataloader(f) for f in (2, 4, 8)},
     }
 
@@ -249,7 +263,7 @@ def main() -> None:
         timed = [r for r in results if "samples_per_sec" in r]
         best = {kind: max((r for r in timed if r["name"].startswith(kind)), key=lambda r: r["samples_per_sec"]) for kind in ("loom", "DataLoader")}
         ratio = best["loom"]["samples_per_sec"] / best["DataLoader"]["samples_per_sec"]
-        best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"]), key=lambda r: r["step_ms"])
+        best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"] and "copied" not in r["name"]), key=lambda r: r["step_ms"])
         off_ideal, off_nominal = best_prefetched["step_ms"] / (ideal * 1e3), best_prefetched["step_ms"] / (nominal * 1e3)
         print(f"  best loom / best DataLoader: {ratio:.3f}x  ({best['loom']['name']} vs {best['DataLoader']['name']})")
         print(f"  best prefetched loom step / ideal: {off_ideal:.3f} (measured parallelism), {off_nominal:.3f} (nominal); target <= 1.05")

@@ -97,14 +97,20 @@ def main() -> None:
                 rate = launch(peer, workload, steps[workload], Path(tmp) / f"{workload}-{peer}-{repeat}.json")
                 rates[workload][peer].append(rate)
                 print(f"repeat {repeat + 1}: {workload} {peer:<11} {rate:9,.0f} samples/s", flush=True)
+            table = write(rates, peers, repeat + 1, steps, skipped)  # after every repeat: a run cut short keeps its repeats
+    print(table)
+
+
+def write(rates: dict[str, dict[str, list[float]]], peers: list[str], repeats: int, steps: dict[str, int], skipped: dict[str, str]) -> str:
+    """peers.json and peers.md from the repeats so far; returns the table."""
     medians = {w: {p: statistics.median(r) for p, r in by_peer.items()} for w, by_peer in rates.items()}
     ratios = {w: {p: m["loom"] / m[p] for p in peers if p != "loom"} for w, m in medians.items()} if "loom" in peers else {}
-    results = {"processes": 2, "threads_per_process": 1, "repeats": args.repeats, "steps": steps,
+    results = {"processes": 2, "threads_per_process": 1, "repeats": repeats, "steps": steps,
                "samples_per_sec": rates, "median": medians, "loom_ratio": ratios, "skipped": skipped}  # fmt: skip
-    print(f"saved {save('peers', results)}")
-    table = markdown(medians, ratios, peers, args.repeats)
+    print(f"saved {save('peers', results)}", flush=True)
+    table = markdown(medians, ratios, peers, repeats)
     (RESULTS / "peers.md").write_text(table)
-    print(table)
+    return table
 
 
 def markdown(medians: dict, ratios: dict, peers: list[str], repeats: int) -> str:
