@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+import unittest.mock
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import RESULTS, save  # noqa: E402
 
 import loom.data as ld  # noqa: E402
+from loom.data import runner  # noqa: E402
 from loom.data.readers import ImageFolderSource  # noqa: E402
 
 SIZE, CROP, CLASSES = 40, 32, 10
@@ -171,6 +173,17 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         pipeline = images.map(augment, num_parallel=num_parallel, method=method).batch(batch)
         return (pipeline.prefetch() if prefetch else pipeline).loader
 
+    def loom_copied(num_parallel: int) -> Callable[[], Iterable[Any]]:
+        """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
+
+        def make() -> Iterable[Any]:
+            loader = loom(num_parallel, "process", True)()
+            with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
+                loader._workers = loader._start_workers()
+            return loader
+
+        return make
+
     def dataloader(factor: int) -> Callable[[], Iterable[Any]]:
         return lambda: torch.utils.data.DataLoader(
             dataset, batch, shuffle=True, num_workers=cores, prefetch_factor=factor, persistent_workers=True
@@ -182,6 +195,7 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         f"loom map(num_parallel={cores}) threads + prefetch": loom(cores, prefetch=True),
         f"loom map(num_parallel={cores}) processes": loom(cores, "process"),
         f"loom map(num_parallel={cores}) processes + prefetch": loom(cores, "process", True),
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": loom_copied(cores),
         **{f"DataLoader(num_workers={cores}, prefetch_factor={f})": dataloader(f) for f in (2, 4, 8)},
     }
 
@@ -215,6 +229,8 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=Path(os.environ.get("LOOM_BENCH_DATA", Path.home() / ".cache" / "loom-bench")))
     parser.add_argument("--rounds", type=int, default=3, help="timed epochs per configuration (median)")
     parser.add_argument("--quick", action="store_true", help="4,000 images, one round: a smoke test")
+    parser.add_argument("--balanced", action="store_true", help="only the step as long as the input (not step 0)")
+    parser.add_argument("--only", nargs="+", help="only the contenders whose names contain one of these")
     args = parser.parse_args()
     images = 4_000 if args.quick else args.images
     args.rounds = 1 if args.quick else args.rounds
@@ -232,10 +248,11 @@ def main() -> None:
         bare()
     step_seconds = args.batch / statistics.median(rates[1]) / cores  # balanced: input / cores
     runs = []
-    for step in (0.0, step_seconds):
+    for step in (step_seconds,) if args.balanced else (0.0, step_seconds):
         print(f"\nstep {step * 1e3:.1f} ms:")
-        results = measure(contenders(folder, args.batch, cores), step, args.batch, args.rounds, bare)
-        results.append(tf_data(folder, args.batch, step))
+        chosen = {n: c for n, c in contenders(folder, args.batch, cores).items() if not args.only or any(o in n for o in args.only)}
+        results = measure(chosen, step, args.batch, args.rounds, bare)
+        results.append(tf_data(folder, args.batch, step) if not args.only else {"name": "tf.data", "skipped": "not chosen (--only)"})
         if "skipped" in results[-1]:
             print(f"  tf.data: skipped: {results[-1]['skipped']}")
         one, many = statistics.median(rates[1]), statistics.median(rates[cores])
@@ -246,7 +263,7 @@ def main() -> None:
         timed = [r for r in results if "samples_per_sec" in r]
         best = {kind: max((r for r in timed if r["name"].startswith(kind)), key=lambda r: r["samples_per_sec"]) for kind in ("loom", "DataLoader")}
         ratio = best["loom"]["samples_per_sec"] / best["DataLoader"]["samples_per_sec"]
-        best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"]), key=lambda r: r["step_ms"])
+        best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"] and "copied" not in r["name"]), key=lambda r: r["step_ms"])
         off_ideal, off_nominal = best_prefetched["step_ms"] / (ideal * 1e3), best_prefetched["step_ms"] / (nominal * 1e3)
         print(f"  best loom / best DataLoader: {ratio:.3f}x  ({best['loom']['name']} vs {best['DataLoader']['name']})")
         print(f"  best prefetched loom step / ideal: {off_ideal:.3f} (measured parallelism), {off_nominal:.3f} (nominal); target <= 1.05")
@@ -263,9 +280,10 @@ def main() -> None:
             "results": results,
         })
     summary = {"images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs}
-    print(f"\nsaved {save('input_pipeline', summary)}")
-    plot(summary, RESULTS / "input_pipeline.png")
-    print(f"plot  {RESULTS / 'input_pipeline.png'}")
+    name = "input_pipeline" if not (args.only or args.balanced) else "input_pipeline_some"  # a partial run keeps the full one
+    print(f"\nsaved {save(name, summary)}")
+    plot(summary, RESULTS / f"{name}.png")
+    print(f"plot  {RESULTS / f'{name}.png'}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ W3: EmbeddingBag(1,000,000 x 32, sum) over bags of 20 ids drawn from a Zipf dist
 to train it on the same data:
 
 * loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches),
-  asynchronous, and synchronous (``--sync``: each step the servers apply the workers' mean);
+  asynchronous, and synchronous (``--sync``: each step the servers apply the workers' mean),
+  each also with ``strategy.prefetch`` (the next batch's rows pulled while the step computes);
 * MirroredStrategy, all-reducing the dense 128 MB embedding gradient every step;
 * DDP with sparse embedding gradients (``EmbeddingBag(sparse=True)``; gloo all-gathers them).
 
@@ -41,7 +42,7 @@ from bench.workloads import RESULTS, save  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ROWS, DIM, BAG, GLOBAL_BATCH = 1_000_000, 32, 20, 1024
-METHODS = ("parameter-server", "parameter-server-sync", "mirrored-dense", "sparse-ddp")
+METHODS = ("parameter-server", "parameter-server-prefetch", "parameter-server-sync", "parameter-server-sync-prefetch", "mirrored-dense", "sparse-ddp")
 
 
 class W3(nn.Module):
@@ -84,12 +85,15 @@ def worker_main(method: str, steps: int, out: str) -> None:
     rank = strategy.replica_id
     times, wire, transport = [], 0, 0
     straggle = float(os.environ.get("LOOM_BENCH_STRAGGLER_SLEEP", "0")) if rank == 3 else 0.0
+    prefetch = method.endswith("-prefetch")
     for step in range(steps + 3):
         if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
             wire = _lo_bytes()
             transport = strategy.variables.bytes_moved if method.startswith("parameter-server") else 0
         ids, y = batch(step, rank, size)
         start = time.perf_counter()
+        if prefetch:  # the next batch's rows, pulled while this step computes
+            strategy.prefetch(model, {"bag": batch(step + 1, rank, size)[0]})
         F.binary_cross_entropy_with_logits(model(ids), y).backward()
         time.sleep(straggle)  # the straggler: a slow machine
         opt.step()
@@ -121,7 +125,7 @@ def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
         out = tmp / f"{method}-{workers}-{straggler_sleep:g}"
         launch = ["--ps", "2", "--workers", str(workers)] if method.startswith("parameter-server") else ["--nproc", str(workers)]
-        launch += ["--sync"] if method == "parameter-server-sync" else []
+        launch += ["--sync"] if method.startswith("parameter-server-sync") else []
         command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_BENCH_STRAGGLER_SLEEP": str(straggler_sleep)}
         done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env=env)
@@ -131,7 +135,7 @@ def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float
         subprocess.run(["ip", "netns", "del", namespace])
     reports = [json.loads(Path(f"{out}.{r}.json").read_text()) for r in range(workers)]
     step_seconds = max(float(np.median(r["seconds"])) for r in reports)  # the slowest worker sets the pace in sync runs
-    if method == "parameter-server":  # asynchronous: each worker at its own pace
+    if method in ("parameter-server", "parameter-server-prefetch"):  # asynchronous: each worker at its own pace
         rate = sum(r["samples"] / sum(r["seconds"]) for r in reports)
     else:
         rate = GLOBAL_BATCH / step_seconds
@@ -147,6 +151,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved; the median is kept")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -160,24 +166,29 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
-            for method in METHODS:
-                row = run(method, workers, args.steps, Path(tmp))
-                results.setdefault(method, {})[str(workers)] = row
+            runs: dict[str, list[dict[str, float]]] = {}
+            for _ in range(args.repeats):
+                for method in args.methods:
+                    runs.setdefault(method, []).append(run(method, workers, args.steps, Path(tmp)))
+            for method, rows in runs.items():
+                row = sorted(rows, key=lambda r: r["samples_per_sec"])[len(rows) // 2]
+                results.setdefault(method, {})[str(workers)] = {**row, "repeats": [r["samples_per_sec"] for r in rows]}
                 print(f"{method:<21} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
                       f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step  "
                       f"worker peak memory +{row['peak_rss_growth'] / 2**20:.0f} MB", flush=True)  # fmt: skip
     for workers in map(str, args.workers):
         dense, sparse = results["mirrored-dense"][workers], results["sparse-ddp"][workers]
-        for method in ("parameter-server", "parameter-server-sync"):
+        for method in [m for m in args.methods if m.startswith("parameter-server")]:
             ps = results[method][workers]
             print(f"{workers} workers, {method}: vs dense all-reduce {ps['samples_per_sec'] / dense['samples_per_sec']:.1f}x throughput, "
                   f"{dense['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.0f}x fewer bytes; "
                   f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
                   f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
-    if 4 in args.workers:
+    if 4 in args.workers and {"parameter-server", "parameter-server-sync", "sparse-ddp"} <= set(args.methods):
         results["straggler"] = straggler(results, args.steps)
-    print(f"saved {save('parameter_server', results)}")
-    plot({k: v for k, v in results.items() if k != "straggler"}, RESULTS / "parameter_server.png")
+    name = "parameter_server" if set(args.methods) == set(METHODS) else "parameter_server_some"  # a partial run keeps the full one
+    print(f"saved {save(name, results)}")
+    plot({k: v for k, v in results.items() if k != "straggler"}, RESULTS / f"{name}.png")
 
 
 def straggler(results: dict, steps: int) -> dict[str, dict[str, float]]:

@@ -7,7 +7,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import loom
+if TYPE_CHECKING:  # the peers' environments (bench/peers) have torch but not loom
+    import loom
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

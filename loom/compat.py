@@ -8,6 +8,7 @@ name, rather than deep inside a job.
 from __future__ import annotations
 
 import atexit
+import importlib.machinery
 import os
 import sys
 from contextlib import contextmanager
@@ -114,3 +115,62 @@ def flight_recorder_entries() -> list[dict[str, Any]]:
     from torch._C._distributed_c10d import _dump_fr_trace
 
     return pickle.loads(_dump_fr_trace(True, False, False)).get("entries", [])  # torch's own bytes, made in this process
+
+
+def start_checkpoint_process(rank: int, world_size: int, local_rank: int, addr: str, port: int) -> None:
+    """Start DCP's checkpoint process (``async_save(..., async_checkpointer_type=PROCESS)``)
+    with its process group on ``addr:port``, unless this process has one already.
+
+    DCP starts it itself only when the job has a process group, choosing the port by a
+    collective; loom starts it also for one process without a group, on a port it agreed on.
+    The process is spawned, and a spawned child runs the parent's main script again unless
+    the script guards itself with ``if __name__ == "__main__"``: this one needs nothing from
+    it, so it is started as if the parent ran ``-m __main__``, which the child skips. Blocks
+    until the process has joined its group; call it from the training thread.
+    """
+    from torch.distributed.checkpoint import _async_process_executor as executor  # spawns, when used
+
+    if executor._CHECKPOINT_PROCESS is not None:
+        return
+    info = executor._ProcessGroupInitInfo.__new__(executor._ProcessGroupInitInfo)  # its __init__ runs a collective
+    info.local_rank, info.global_rank, info.world_size = local_rank, rank, world_size
+    info.tcp_store_master_addr, info.tcp_store_master_port = addr, port
+    info.use_prefix_store = info.disable_automatic_gc = info.disable_manual_gc = False
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    main.__spec__ = importlib.machinery.ModuleSpec("__main__", None)  # multiprocessing.spawn skips a main named so
+    try:
+        executor._CHECKPOINT_PROCESS = executor._AsyncCheckpointProcess(info)
+    finally:
+        main.__spec__ = spec
+
+
+def checkpoint_process() -> Any:
+    """DCP's checkpoint process of this process (a ``multiprocessing.Process``), or None."""
+    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    running = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    return running._save_process if running is not None else None
+
+
+def stop_checkpoint_process(timeout: float = 10.0) -> None:
+    """Ask DCP's checkpoint process to leave its group and exit; kill it after ``timeout`` seconds."""
+    executor = sys.modules.get("torch.distributed.checkpoint._async_process_executor")
+    running = getattr(executor, "_CHECKPOINT_PROCESS", None)
+    if running is None:
+        return
+    executor._CHECKPOINT_PROCESS = None
+    process = running._save_process
+    if process.is_alive():
+        try:
+            running._send(executor._CheckpointSaveProcessControlOpts.TERMINATE)
+        except OSError:
+            pass  # it is already gone
+        process.join(timeout)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many tensors, storages and NumPy arrays of this process hold ``storage``'s memory."""
+    return torch._C._storage_Use_Count(storage._cdata)

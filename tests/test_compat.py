@@ -107,3 +107,16 @@ def test_the_elastic_agent_is_built_by_name_and_has_the_hooks_loom_extends():
     with compat.elastic_agent(dict):
         assert launcher_api.LocalElasticAgent is dict
     assert launcher_api.LocalElasticAgent is LocalElasticAgent
+
+
+def test_storage_use_count_counts_tensors_views_and_numpy_arrays_holding_the_memory():
+    storage = torch.UntypedStorage(64)
+    assert compat.storage_use_count(storage) == 1
+    tensor = torch.empty(0).set_(storage, 0, (16,))
+    view, array = tensor[2:5], tensor.numpy()
+    del tensor
+    assert compat.storage_use_count(storage) > 1
+    del view
+    assert compat.storage_use_count(storage) > 1  # the NumPy array alone
+    del array
+    assert compat.storage_use_count(storage) == 1

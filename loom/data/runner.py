@@ -25,9 +25,12 @@ from loom.data.loader import own_generator, to_device
 from loom.data.plan import Chunk, EpochPlan, choose_sharding
 from loom.data.report import InputStats
 from loom.data.seeding import mix, seeded
+from loom.data.shared_batches import BatchBuffers
 from loom.data.sharding import check_global_batch
 from loom.data.sources import Source
 from loom.errors import DataFileError
+
+HELD_BATCHES = 3  # shared buffers beyond the tasks in flight: the batch the loop holds, the one before, a spare
 
 if TYPE_CHECKING:
     from loom.data.pipeline import MapStage, Pipeline
@@ -42,6 +45,8 @@ class _Result:
     seconds: list[float] = field(default_factory=list)  # read, each map, collate
     skipped: list[DataFileError] = field(default_factory=list)
     error: DataFileError | None = None
+    buffer: int | None = None  # the shared buffer the task was given (``data`` lies in it if it fitted)
+    in_buffer: bool = False
 
 
 class _BatchWorker:
@@ -165,6 +170,7 @@ class PipelineLoader:
         self.position = 0  # batches of the current pass already handed out
         self._chunks = _Chunks(self.plan)
         self._workers: Iterable[_Result] | None = None
+        self._buffers: BatchBuffers | None = None  # process workers on CPU: batches in shared buffers
         self._valid: list[int] = []  # per batch of the current iteration
         self._warn_skipped(source.skipped, "file(s)")
 
@@ -258,6 +264,11 @@ class PipelineLoader:
         waited_since = time.perf_counter()
         for result in self._workers:
             got = time.perf_counter()
+            if result.buffer is not None and self._buffers is not None:
+                if result.in_buffer:
+                    result.data = self._buffers.read(result.buffer, result.data)
+                else:
+                    self._buffers.release(result.buffer)
             if result.error is not None:
                 raise result.error
             self.stats.record_batch(result.seconds, got - waited_since)
@@ -273,14 +284,17 @@ class PipelineLoader:
         """
         depth = self._prefetch_depth()
         if self.pipeline.method == "process" and self.workers:
+            factor = max(1, -(-depth // self.workers))
+            if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
+                self._buffers = BatchBuffers(self.workers * factor + HELD_BATCHES)
             return DataLoader(
-                _Tasks(self._worker),
+                _Tasks(self._worker, self._buffers),
                 batch_size=None,
-                sampler=self._chunks,
+                sampler=_Claims(self._chunks, self._buffers),
                 num_workers=self.workers,
                 collate_fn=_as_is,
                 pin_memory=self.device.type == "cuda",
-                prefetch_factor=max(1, -(-depth // self.workers)),
+                prefetch_factor=factor,
                 persistent_workers=True,
                 in_order=self.pipeline.deterministic,
                 worker_init_fn=_yield_to_training,
@@ -344,14 +358,33 @@ class _ChunkNode(BaseNode[Chunk]):
         return {}  # the position lives in PipelineLoader.state_dict
 
 
+class _Claims(Sampler[tuple[Chunk, int | None]]):
+    """Each batch of addresses with the shared buffer its batch is to be written into (or None)."""
+
+    def __init__(self, chunks: _Chunks, buffers: BatchBuffers | None) -> None:
+        self.chunks = chunks
+        self.buffers = buffers
+
+    def __iter__(self) -> Iterator[tuple[Chunk, int | None]]:
+        for chunk in self.chunks:  # claimed as the DataLoader sends each task, not ahead of it
+            yield chunk, self.buffers.claim() if self.buffers is not None else None
+
+
 class _Tasks(Dataset):
     """A "dataset" whose indices are batches of addresses: a DataLoader worker runs each one."""
 
-    def __init__(self, worker: _BatchWorker) -> None:
+    def __init__(self, worker: _BatchWorker, buffers: BatchBuffers | None) -> None:
         self.worker = worker
+        self.buffers = buffers
 
-    def __getitem__(self, chunk: Chunk) -> _Result:  # type: ignore[override]
-        return self.worker(chunk)
+    def __getitem__(self, task: tuple[Chunk, int | None]) -> _Result:  # type: ignore[override]
+        chunk, buffer = task
+        result = self.worker(chunk)
+        if buffer is not None and self.buffers is not None and result.data is not None:
+            data = self.buffers.write(buffer, result.data)
+            result.data, result.in_buffer = data, data is not result.data
+        result.buffer = buffer
+        return result
 
 
 def _yield_to_training(worker_id: int) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 import loom
 import loom.data as ld
+from loom import compat
 from loom.checkpoint import committed
 from loom.errors import CheckpointError, CheckpointMismatchError
 from tests.helpers import ROOT, SCRIPTS, job_env, loom_run
@@ -66,16 +67,46 @@ def test_keeps_the_last_k_and_restores_the_newest(tmp_path):
     assert strategy.restore(tmp_path, model=model)["marker"] == 5
 
 
-def test_async_save_is_committed_by_the_next_wait(tmp_path):
+def test_async_save_is_written_by_another_process_and_committed_by_the_next_wait(tmp_path):
     strategy, model, opt = _trained()
     strategy.save(tmp_path, step=1, async_save=True, model=model, optimizer=opt)
     expected = [p.detach().clone() for p in model.parameters()]
     strategy.backward(model(torch.randn(4, 5)).sum())
     opt.step()  # training goes on: the checkpoint keeps the values of step 1
     strategy.shutdown()  # waits for the write and the commit
+    writer = compat.checkpoint_process()
+    assert writer is not None and writer.is_alive() and writer.pid != os.getpid(), "not written by DCP's checkpoint process"
+    strategy.save(tmp_path, step=2, async_save=True, model=model)  # the same process writes the next one
+    strategy.shutdown()
+    assert compat.checkpoint_process() is writer and [p.name for p in committed(tmp_path)] == ["step-00000001", "step-00000002"]
     fresh, fresh_model, _ = _trained(seed=3)
-    fresh.restore(tmp_path, model=fresh_model)
+    fresh.restore(tmp_path / "step-00000001", model=fresh_model)
     assert all(torch.equal(a, b) for a, b in zip(expected, fresh_model.parameters()))
+    compat.stop_checkpoint_process()
+    assert not writer.is_alive() and compat.checkpoint_process() is None
+
+
+def test_kill_during_an_async_save_leaves_the_previous_checkpoint_and_no_writer(tmp_path):
+    proc = subprocess.Popen([sys.executable, str(SCRIPTS / "async_big_save.py"), str(tmp_path)], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        writer = int(proc.stdout.readline())
+        deadline = time.monotonic() + 60
+        while not any(tmp_path.glob(".tmp-step-00000002/*.distcp")):
+            assert time.monotonic() < deadline and proc.poll() is None, "the async save never started writing"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert [p.name for p in committed(tmp_path)] == ["step-00000001"]
+    saved = loom.OneDeviceStrategy().restore(tmp_path, model=nn.Linear(4, 2))
+    assert (saved["step"], saved["note"]) == (1, "small")
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{writer}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if os.path.exists(f"/proc/{writer}"):
+        os.kill(writer, signal.SIGKILL)
+        pytest.fail("the checkpoint process outlived the killed trainer by 30 s")
 
 
 def test_kill_during_save_leaves_the_previous_checkpoint_loadable(tmp_path):

@@ -331,3 +331,31 @@ def test_random_maps_draw_per_replica_epoch_and_batch_reproducibly(workers):
     assert len(set(r0[:, 1].tolist() + r1[:, 1].tolist())) == 16 and len(set(r0[:, 2].tolist() + r1[:, 2].tolist())) == 16
     assert torch.equal(draws(1, epoch=1, start=3), draws(1, epoch=1)[6:])  # a resumed epoch draws as an uninterrupted one
     assert not torch.equal(draws(0, epoch=1)[:, 1:], r0[:, 1:])
+
+
+def _pair(x):
+    return x.float().expand(3), int(x)
+
+
+def test_process_batches_arrive_in_shared_buffers_that_are_not_reused_while_held():
+    """Batches are views of the workers' shared buffers; holding them (even as NumPy arrays)
+    keeps their buffers from the next tasks, and a dropped batch's buffer is used again."""
+    loader = ld.from_tensors(torch.arange(64)).map(_pair, num_parallel=2, method="process").batch(4).loader()
+
+    def buffer_of(batch):
+        address = batch[0].data_ptr()
+        starts = [s.data_ptr() for s in loader._buffers.storages]
+        return next((i for i, start in enumerate(starts) if start <= address < start + loader._buffers.capacity), None)
+
+    held, used = [], []
+    for images, labels in loader:  # every batch kept: the buffers run out, later batches travel the usual way
+        used.append(buffer_of((images, labels)))
+        held.append((images, labels.numpy()))
+    count = len(loader._buffers.storages)
+    assert sorted(b for b in used if b is not None) == list(range(count)), used  # each buffer once, then none
+    for i, (images, labels) in enumerate(held):
+        expected = torch.arange(4 * i, 4 * i + 4)
+        assert torch.equal(images, expected.float()[:, None].expand(4, 3)) and labels.tolist() == expected.tolist()
+    del held, images, labels
+    reused = [buffer_of(batch) for batch in loader]  # each dropped before the next: buffers go round
+    assert None not in reused and len(set(reused)) < len(reused)

@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections import deque
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -63,6 +64,28 @@ class RemoteEmbedding(nn.Module):
         self.trained = trained and local.weight.requires_grad
         self.variables = variables  # not a submodule: a copy of the model shares it
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
+        self.ahead: deque[list[Any]] = deque(maxlen=2)  # [unique ids, their pull once sent] of the batches to come
+
+    def prefetch(self, ids: torch.Tensor, now: bool) -> None:
+        """Pull the rows ``ids`` needs before the forward pass asks: ``now``, or at ``send_prefetch``."""
+        self.ahead.append([torch.unique(ids), None])
+        if now:
+            self.send_prefetch()
+
+    def send_prefetch(self) -> None:
+        for entry in self.ahead:
+            if entry[1] is None:
+                entry[1] = self.variables.pull_rows_ahead(self.name, entry[0])
+
+    def _rows(self, unique: torch.Tensor) -> torch.Tensor:
+        """The prefetched rows when they are these ids' (those asked for before them are dropped);
+        else pulled now. A prefetch for the batch after this one stays."""
+        for i, (ids, pending) in enumerate(self.ahead):
+            if pending is not None and torch.equal(ids, unique):
+                for _ in range(i + 1):
+                    self.ahead.popleft()
+                return pending.result()
+        return self.variables.pull_rows(self.name, unique)
 
     def local_like(self, weight: torch.Tensor) -> nn.Module:
         """The plain module this one replaced, holding ``weight`` (for a checkpoint)."""
@@ -73,7 +96,7 @@ class RemoteEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
         unique, local_ids = torch.unique(ids, return_inverse=True)
-        rows = self.variables.pull_rows(self.name, unique)
+        rows = self._rows(unique)
         if torch.is_grad_enabled() and self.trained:  # kept for the push; evaluation keeps nothing
             self.touched.append((unique, rows.requires_grad_()))
         padding = None  # the padding row's place among the pulled rows, if the batch has it
@@ -128,7 +151,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self._should_step = should_step
         self.dense = {n: p for n, p in model.named_parameters()}
         self.trained = list(self.dense) if trained is None else [n for n in trained if n in self.dense]  # in the optimizer
-        self.remote = {m.name: m for m in model.modules() if isinstance(m, RemoteEmbedding) and m.trained}
+        self.tables = [m for m in model.modules() if isinstance(m, RemoteEmbedding)]
+        self.remote = {m.name: m for m in self.tables if m.trained}
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -180,6 +204,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
                 self.variables.wait_for_round()
             else:
                 self.variables.wait_for_peers(self.workers, self.staleness)
+            for module in self.tables:  # rows asked for ahead are read now, after the step every worker waits for
+                module.send_prefetch()
             pulled = self.variables.pull_dense(list(self.dense))
         else:  # asynchronous: the newest parameters come back with the commit
             pulled = self.variables.push(dense, rows, then_pull=list(self.dense), **options)
@@ -323,6 +349,23 @@ class ParameterServerStrategy(Strategy):
         for name, value in self.variables.pull_dense(list(opt.dense)).items():
             opt.dense[name].data.copy_(value)
         return self.precision.wrap(model), opt
+
+    def prefetch(self, model: nn.Module, ids: dict[str, torch.Tensor]) -> None:
+        """Pull the rows the next batch needs while this step computes: ``ids`` maps each table's
+        name in the model (``model.named_modules()``) to the ids the next forward pass gives it.
+
+        Asynchronous workers send the pull at once, so it runs beside the forward, backward and
+        push of this step: those rows may miss this worker's own push of this step (one step
+        staler, as the other workers' pushes already may be). With ``synchronous`` or
+        ``staleness`` the pull waits until the step's synchronisation and goes with the dense
+        pull, so every value read is the one it would be without prefetching. A forward pass
+        given other ids than those prefetched pulls its own.
+        """
+        tables = {n: m for n, m in unwrap(model).named_modules() if isinstance(m, RemoteEmbedding)}
+        for name, table_ids in ids.items():
+            if name not in tables:
+                raise ValueError(f"prefetch: the model has no table '{name}'; its tables are {sorted(tables)}")
+            tables[name].prefetch(table_ids, now=not self.synchronous and self.staleness is None)
 
     def save(self, directory: str | Path, **options: Any) -> Path | None:  # type: ignore[override]
         """The chief saves an ordinary loom checkpoint; other workers return None.

@@ -9,7 +9,7 @@ that dies mid-push leaves nothing half-applied that its launcher cannot settle.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,7 +32,8 @@ class ShardedVariables:
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
-        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
+        self._pool = ThreadPoolExecutor(max_workers=2 * len(clients), thread_name_prefix="loom-ps")  # a prefetch beside a step's call
+        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-ps-prefetch")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
@@ -98,6 +99,10 @@ class ShardedVariables:
             if s in replies:
                 rows[positions] = replies[s][1]["rows"]
         return rows
+
+    def pull_rows_ahead(self, table: str, ids: torch.Tensor) -> Future:
+        """``pull_rows`` in the background; the rows come with the future."""
+        return self._ahead.submit(self.pull_rows, table, ids)
 
     def push(
         self,
@@ -197,6 +202,7 @@ class ShardedVariables:
             time.sleep(0.005)
 
     def close(self) -> None:
+        self._ahead.shutdown()
         self._pool.shutdown()
         for client in self.clients:
             client.close()

@@ -59,10 +59,13 @@ def test_one_worker_on_two_servers_equals_local_training(servers, make_opt):
     strategy.shutdown()
 
 
-@pytest.mark.parametrize("make_opt", [lambda p: torch.optim.SGD(p, lr=0.1), lambda p: torch.optim.Adagrad(p, lr=0.1)])
-def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt):
+@pytest.mark.parametrize("make_opt, prefetch", [(lambda p: torch.optim.SGD(p, lr=0.1), False),
+                                                (lambda p: torch.optim.Adagrad(p, lr=0.1), False),
+                                                (lambda p: torch.optim.Adagrad(p, lr=0.1), True)])  # fmt: skip
+def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt, prefetch):
     """Each step the servers apply the mean of both workers' gradients once: local training on
-    the whole batch, although each worker saw half of it."""
+    the whole batch, although each worker saw half of it. Rows prefetched for the next batch
+    are read after the round, so prefetching changes nothing (read before, they would be stale)."""
     local = Clicks()
     local_opt = make_opt(local.parameters())
     for ids, y in batches(15):
@@ -74,11 +77,17 @@ def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt
     def work(worker):
         strategy = ParameterServerStrategy(servers, token="job-token", worker=worker, num_workers=2, synchronous=True)
         model, opt = strategy.prepare(built[worker], make_opt)
-        for ids, y in batches(15):
-            half = slice(8 * worker, 8 * worker + 8)
+        pulled_by = _record_pulls(strategy.variables)
+        half = slice(8 * worker, 8 * worker + 8)
+        data = list(batches(15))
+        for step, (ids, y) in enumerate(data):
+            if prefetch and step + 1 < len(data):
+                strategy.prefetch(model, {"bag": data[step + 1][0][half]})
             F.binary_cross_entropy_with_logits(model(ids[half]), y[half]).backward()
             opt.step()
             opt.zero_grad()
+        if prefetch:  # the worker itself pulled rows for its first batch only
+            assert pulled_by.count(threading.current_thread().name) == 1 and len(pulled_by) == 15, pulled_by
         tables[worker] = (strategy.variables.pull_rows("bag", torch.arange(50)), dict(model.mlp.named_parameters()))
         strategy.shutdown()
 
@@ -88,6 +97,34 @@ def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt
         for name, p in local.mlp.named_parameters():
             torch.testing.assert_close(mlp[name].detach(), p.detach(), rtol=1e-5, atol=1e-6)
     assert len(tables) == 2
+
+
+def _record_pulls(variables):
+    """The names of the threads that pull rows from now on."""
+    names, pull = [], variables.pull_rows
+
+    def recording(*args):
+        names.append(threading.current_thread().name)
+        return pull(*args)
+
+    variables.pull_rows = recording
+    return names
+
+
+def test_asynchronous_prefetch_is_sent_at_once_and_a_table_not_in_the_model_is_named(servers):
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
+    pulled_by = _record_pulls(strategy.variables)
+    ids = next(batches(1))[0]
+    strategy.prefetch(model, {"bag": ids})
+    while not pulled_by:
+        time.sleep(0.001)  # sent before the forward pass asks
+    assert pulled_by[0].startswith("loom-ps-prefetch")
+    model(ids)
+    assert len(pulled_by) == 1
+    with pytest.raises(ValueError, match=r"prefetch: the model has no table 'table'; its tables are \['bag'\]"):
+        strategy.prefetch(model, {"table": ids})
+    strategy.shutdown()
 
 
 def test_synchronous_and_staleness_exclude_each_other(servers):
