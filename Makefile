@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-tf clean
+.PHONY: demo test bench bench-tf bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -34,5 +34,12 @@ bench-tf:
 	test -x .venv-tf/bin/python || python3 -m venv .venv-tf
 	.venv-tf/bin/python -c "import tensorflow" 2>/dev/null || .venv-tf/bin/pip install -q tensorflow-cpu
 
+# loom against hand-written DDP, Accelerate and Lightning Fabric (.venv-peers, torch pinned) and TensorFlow (.venv-tf) on W1/W2
+bench-peers: $(STAMP) bench-tf
+	test -x .venv-peers/bin/python || python3 -m venv .venv-peers
+	.venv-peers/bin/python -c "import accelerate, lightning" 2>/dev/null || .venv-peers/bin/pip install -q torch==2.13.0 accelerate lightning
+	.venv-peers/bin/pip show torch | grep -q "^Version: 2.13.0" || { echo "torch in .venv-peers is not 2.13.0: recreate it"; exit 1; }
+	$(PYTHON) bench/peers/run.py
+
 clean:
-	rm -rf $(VENV) .venv-tf runs bench/results
+	rm -rf $(VENV) .venv-tf .venv-peers runs bench/results
