@@ -90,7 +90,8 @@ def evaluate(
     """
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
-    model = model.to(strategy.device)
+    if not any(p.is_meta for p in model.parameters()):  # a pipeline stage holds only its own layers
+        model = model.to(strategy.device)
     loader = strategy.distribute(data, batch_size, shuffle=_in_order(data))
     return _evaluate_loader(model, loss_fn, loader, metrics_).reduce(strategy)[0]
 

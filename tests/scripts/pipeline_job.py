@@ -72,6 +72,8 @@ def main() -> None:
         "reference_losses": one_losses,
         "outputs": step.outputs.shape,
         "eval_difference": _eval_difference(prepared, one_model),
+        "evaluate": [loom.evaluate(m, next_byte_loss, TensorDataset(*batches(1, seed=5)[0]), batch_size=BATCH, strategy=s)["loss"]
+                     for m, s in ((prepared, strategy), (one_model, loom.OneDeviceStrategy()))],
     }
     x, y = batches(1, seed=7)[0]
     results["errors"] = {

@@ -160,6 +160,8 @@ def test_ten_adamw_steps_of_the_gpt_equal_one_device(job):
         assert rank["gpt"]["losses"] == pytest.approx(rank["gpt"]["reference_losses"], abs=1e-5)
         assert rank["gpt"]["outputs"] == torch.Size([pipeline_job.BATCH, 8, 256])
         assert rank["gpt"]["eval_difference"] < 1e-5
+        pipelined, one_device = rank["gpt"]["evaluate"]  # loom.evaluate runs the stages too
+        assert pipelined == pytest.approx(one_device, abs=1e-5)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble"])
