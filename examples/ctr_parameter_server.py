@@ -7,11 +7,13 @@
 Each sample is a bag of 20 feature ids drawn from a Zipf distribution (exponent 1.1, as ids in
 click logs are) over 100,000 ids. A hidden "true" model (an embedding per id, summed, then a
 linear score) decides each click's probability, so the best AUC any model can reach is known.
-The script trains an embedding-bag + MLP model on 200,000 samples, whatever the strategy, and
-prints its AUC on held-out samples next to the true model's.
+The script trains an embedding-bag + MLP model on 200,000 samples (CTR_SAMPLES sets another
+number), whatever the strategy, and prints its AUC on held-out samples next to the true model's.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -23,6 +25,7 @@ from torch.utils.data import TensorDataset
 import loom
 
 IDS, BAG, TRUE_DIM = 100_000, 20, 8
+SAMPLES = int(os.environ.get("CTR_SAMPLES", "200000"))
 
 
 def make_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -51,7 +54,7 @@ class CTRModel(nn.Module):
 def main() -> None:
     strategy = loom.auto_strategy()
     model, opt = strategy.prepare(CTRModel(), lambda p: torch.optim.Adagrad(p, lr=0.05))
-    ids, clicks, _ = make_data(200_000, seed=0)
+    ids, clicks, _ = make_data(SAMPLES, seed=0)
     for x, y in strategy.distribute(TensorDataset(ids, clicks), batch_size=512, shuffle=True):
         loss = F.binary_cross_entropy_with_logits(model(x), y)
         strategy.backward(loss)

@@ -3,14 +3,18 @@
     python examples/one_device_digits.py
 """
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 import loom
 from mirrored_digits import DigitsCNN, digits
 
+EPOCHS = int(os.environ.get("DIGITS_EPOCHS", "8"))  # the tests train fewer: they check that it learns, not how well
 
-def main(strategy: loom.Strategy, epochs: int = 8) -> float:
+
+def main(strategy: loom.Strategy, epochs: int = EPOCHS) -> float:
     torch.manual_seed(0)
     train, test = digits()
     model, opt = strategy.prepare(DigitsCNN(), lambda p: torch.optim.Adam(p, lr=2e-3))
