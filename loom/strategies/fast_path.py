@@ -65,6 +65,16 @@ def check_candidates(fast_path: bool | Sequence[str]) -> tuple[str, ...]:
     return tuple(fast_path)
 
 
+def refuse(strategy: str, fast_path: bool | Sequence[str]) -> None:
+    """For a strategy whose processes each hold part of the model: each would judge a candidate on
+    its own part, and they could choose different programs."""
+    if check_candidates(fast_path):
+        raise ValueError(
+            f"{strategy} does not take prepare(fast_path=...): each process holds only part of the model, so the trial "
+            "cannot judge a candidate on the whole; drop fast_path (it is for MirroredStrategy and one device)"
+        )
+
+
 def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], autocast: Callable[[], Any], low_precision: bool = False) -> FastPath:
     """Time eager and each applicable candidate on ``example``; keep the fastest equivalent one.
 
