@@ -65,6 +65,18 @@ def check_candidates(fast_path: bool | Sequence[str]) -> tuple[str, ...]:
     return tuple(fast_path)
 
 
+PARTS = "each process holds only part of the model, so the trial cannot judge a candidate on the whole"
+
+
+def refuse(strategy: str, fast_path: bool | Sequence[str], why: str = PARTS) -> None:
+    """For a strategy the trial cannot measure: one whose processes each hold part of the model (each
+    would judge a candidate on its own part, and they could choose different programs), or XLA's."""
+    if check_candidates(fast_path):
+        raise ValueError(
+            f"{strategy} does not take prepare(fast_path=...): {why}; drop fast_path (it is for MirroredStrategy and one device)"
+        )
+
+
 def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], autocast: Callable[[], Any], low_precision: bool = False) -> FastPath:
     """Time eager and each applicable candidate on ``example``; keep the fastest equivalent one.
 

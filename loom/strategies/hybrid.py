@@ -26,6 +26,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from loom.strategies.dtensor_norm import clip_grad_norm
+from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline import EAGER_REFUSAL, PipelineStep, PipelineStrategy
@@ -89,8 +90,9 @@ class HybridStrategy(MeshStrategy):
         return mesh
 
     # ---- composition, in the documented order -------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:  # type: ignore[override]
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
         """Split, parallelise and shard ``model``; build ``optimizer`` on this process's parameters."""
+        refuse_fast_path(type(self).__name__, fast_path)
         if self._pipeline is None or not isinstance(model, nn.Module):
             return super().prepare(model, optimizer)
         if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):

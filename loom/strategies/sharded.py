@@ -30,6 +30,7 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
+from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.precision import DTYPES, Precision
 
 Init = Callable[[nn.Module], None]
@@ -289,8 +290,9 @@ class ShardedStrategy(Strategy):
         with torch.device("meta"):
             yield
 
-    def prepare(self, model: nn.Module, optimizer: Any = None) -> Any:  # type: ignore[override]
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
         """As ``Strategy.prepare``; an optimizer built on the model's parameters before is moved onto their shards."""
+        refuse_fast_path(type(self).__name__, fast_path)
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
             names = {id(p): name for name, p in model.named_parameters()}
             on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])

@@ -80,6 +80,7 @@ def main() -> None:
         "shape": error_of(lambda: step(x[:, :4], y[:, :4])),
         "microbatches": error_of(lambda: step(x[:6], y[:6])),
         "eager": error_of(lambda: prepared(x)),
+        "fast_path": error_of(lambda: strategy.prepare(model(), fast_path=True, example_input=x)),
     }
     strategy.save(directory / "pipeline", step=10, model=prepared, optimizer=opt)
     fresh, fresh_opt = strategy.prepare(model(), adamw)

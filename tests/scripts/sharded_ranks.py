@@ -82,6 +82,7 @@ def two_ranks(directory: Path) -> dict[str, Any]:
         "no_reset_parameters": lambda: strategy.prepare(_raw_parameter_model(strategy)),
         "wrap_not_a_class": lambda: loom.ShardedStrategy(wrap=["Block"], timeout=60).prepare(GPT(CONFIG)),
         "num_replicas": lambda: loom.ShardedStrategy(num_replicas=3, timeout=60),
+        "fast_path": lambda: strategy.prepare(GPT(CONFIG), fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
     }.items():
         try:
             make()

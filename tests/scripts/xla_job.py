@@ -125,6 +125,10 @@ def main() -> None:
         tpu.backward(torch.zeros((), requires_grad=True))
     except RuntimeError as error:
         out["backward_error"] = str(error)
+    try:
+        tpu.prepare(mlp(), sgd, fast_path=True, example_input=torch.zeros(2, 4))
+    except ValueError as error:
+        out["fast_path_error"] = str(error)
 
     # checkpoints: saved here, restored under OneDevice (by the test), and OneDevice's restored here
     strategy = loom.TPUStrategy()

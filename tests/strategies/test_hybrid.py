@@ -40,10 +40,11 @@ def _refusals() -> dict[str, str]:
     for name, attempt in {
         "backward": lambda: strategy.backward(torch.zeros((), requires_grad=True)),
         "optimizer": lambda: strategy.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1)),
+        "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
     }.items():
         try:
             attempt()
-        except (RuntimeError, TypeError) as error:
+        except (RuntimeError, TypeError, ValueError) as error:
             refused[name] = f"{type(error).__name__}: {error}"
     return refused
 
@@ -105,4 +106,5 @@ def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_on
         refused = rank["refused"]
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
         assert refused["optimizer"].startswith("TypeError: HybridStrategy with a pp axis builds the optimizer on this stage's parameters")
+        assert refused["fast_path"].startswith("ValueError: HybridStrategy does not take prepare(fast_path=...): each process holds only part")
         assert all("\n" not in line for line in refused.values())

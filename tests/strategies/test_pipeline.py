@@ -177,6 +177,7 @@ def test_every_schedules_loss_equals_the_unpipelined_loss(job, schedule):
         ("shape", "ValueError: PipelineStrategy: this batch's micro-batches are inputs [2, 4], targets [2, 4] but the pipeline was built for inputs [2, 8]"),
         ("microbatches", "ValueError: PipelineStrategy(microbatches=4) with accumulate=1 cannot split a batch of 6 into 4 equal micro-batches"),
         ("eager", "RuntimeError: PipelineStrategy runs forward and backward together in its schedule"),
+        ("fast_path", "ValueError: PipelineStrategy does not take prepare(fast_path=...): each process holds only part of the model"),
     ],
 )
 def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):

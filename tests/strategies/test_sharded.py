@@ -109,7 +109,8 @@ def test_bad_options_get_one_line(sharded):
         )
         assert replica["wrap_not_a_class"] == "TypeError: wrap takes nn.Module classes, e.g. wrap=[Block], not ['Block']"
         assert replica["num_replicas"].startswith("ClusterError: ShardedStrategy(num_replicas=3) but the job has 2 process(es)")
-        assert all("\n" not in v for k, v in replica.items() if k in ("bad_wrap", "offload_on_cpu", "no_reset_parameters", "num_replicas"))
+        assert replica["fast_path"].startswith("ValueError: ShardedStrategy does not take prepare(fast_path=...): each process holds only part")
+        assert all("\n" not in v for k, v in replica.items() if k in ("bad_wrap", "offload_on_cpu", "no_reset_parameters", "num_replicas", "fast_path"))
 
 
 def test_four_replicas_each_hold_a_quarter_of_a_model_one_could_not_hold(monkeypatch):

@@ -113,6 +113,12 @@ def test_eager_backward_points_to_train_step(job):
     assert "train_step" in got["backward_error"] and "\n" not in got["backward_error"]
 
 
+def test_the_fast_path_is_refused_in_one_line(job):
+    _, got = job
+    assert got.get("fast_path_error", "").startswith("TPUStrategy does not take prepare(fast_path=...): XLA compiles every step already")
+    assert "\n" not in got["fast_path_error"]
+
+
 def test_a_checkpoint_moves_to_one_device_and_back(job):
     directory, got = job
     one = loom.OneDeviceStrategy()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from loom.data import DistributedLoader, Pipeline
 from loom.data.sharding import check_global_batch
 from loom.strategies.base import Strategy, unwrap
+from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
 from loom.strategies.xla.mesh import build_mesh
@@ -78,6 +79,11 @@ class TPUStrategy(Strategy):
     @property
     def mesh(self) -> Any:
         return self.plan.mesh
+
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
+        """As ``Strategy.prepare``; the eager fast path does not apply to the compiled step."""
+        refuse_fast_path(type(self).__name__, fast_path, "XLA compiles every step already, and the trial times the eager model")
+        return super().prepare(model, optimizer)
 
     # ---- the step -----------------------------------------------------------------------------
     def device_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> DeviceState:
