@@ -27,7 +27,15 @@ bench: $(STAMP)
 	$(PYTHON) bench/input_pipeline.py
 	$(PYTHON) bench/checkpoint.py
 	$(PYTHON) bench/ps_transport.py
+	$(PYTHON) bench/sharded.py
+	$(PYTHON) bench/pipeline.py
+	$(PYTHON) bench/gpt.py
+	$(PYTHON) bench/fast_path.py
+	$(PYTHON) bench/xla.py
+	$(PYTHON) bench/collective_record.py
+	$(PYTHON) bench/breakdown_overhead.py
 	-$(PYTHON) bench/parameter_server.py  # needs root for its network namespaces; says so otherwise
+	-$(PYTHON) bench/slow_link.py         # the same
 
 # TensorFlow in an environment of its own, for the tf.data comparison (the benchmark says when it is missing).
 bench-tf:
