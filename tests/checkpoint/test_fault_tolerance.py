@@ -42,7 +42,7 @@ def _wait_for_step(out, step, proc, timeout=60):
         time.sleep(0.01)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory):
     """Final parameters of uninterrupted runs, one per kind of input."""
     finals = {}

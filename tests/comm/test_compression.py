@@ -93,7 +93,7 @@ def _powersgd_and_auto(directory):
     return losses, weights, restored, momentum, said.getvalue()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def two_replicas(tmp_path_factory):
     return run_ranks(_powersgd_and_auto, 2, str(tmp_path_factory.mktemp("powersgd")), timeout=120)
 

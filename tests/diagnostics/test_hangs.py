@@ -14,7 +14,7 @@ def line_of(marker: str) -> int:
     return next(i for i, text in enumerate(SCRIPT.read_text().splitlines(), 1) if marker in text)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def final_line() -> str:
     """The last line of one six-rank job in which three pairs of ranks hang three ways at once."""
     job = loom_run(["run", "--nproc", "6", "--threads", "1", "--timeout", "5", str(SCRIPT)], timeout=240)

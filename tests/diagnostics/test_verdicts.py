@@ -130,7 +130,7 @@ def _scenarios(log_dir: str) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def job(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("verdicts")
     return run_ranks(_scenarios, 2, str(log_dir), timeout=120), log_dir

@@ -113,7 +113,7 @@ def _job(directory):
     return found
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def job(tmp_path_factory):
     return run_ranks(_job, 2, tmp_path_factory.mktemp("ddp"), timeout=150)
 

@@ -49,7 +49,7 @@ def _refusals() -> dict[str, str]:
     return refused
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict, str]:
     directory = str(tmp_path_factory.mktemp("hybrid"))
     return run_ranks(_job, 4, directory, timeout=240), tp_gpt.train(loom.OneDeviceStrategy), directory

@@ -119,7 +119,7 @@ def test_bad_input_gets_one_line(build, line):
 
 
 # ---- one launched job of two processes ------------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("pipeline")
     strategy = loom.OneDeviceStrategy()

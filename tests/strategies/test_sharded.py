@@ -30,7 +30,7 @@ def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> fl
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     directory = tmp_path_factory.mktemp("sharded")
     strategy = loom.OneDeviceStrategy()
@@ -43,7 +43,7 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"dir": directory, "weights": model.state_dict(), "norms": norms, "initial": initial, "exp_avg": exp_avg}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def sharded(one_device: dict[str, Any]) -> list[dict[str, Any]]:
     return run_ranks(sharded_ranks.two_ranks, 2, one_device["dir"], timeout=240)
 

@@ -32,7 +32,7 @@ def _job() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def runs() -> tuple[list[dict], dict]:
     ranks = run_ranks(_job, 2, timeout=150)
     return ranks, tp_gpt.train(loom.OneDeviceStrategy)

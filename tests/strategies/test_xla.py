@@ -29,7 +29,7 @@ TOLERANCE = 1e-5
 DEVICES = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     if importlib.util.find_spec("torchax") is None:
         pytest.skip("the xla extra is not installed: pip install 'loom[xla]'")
