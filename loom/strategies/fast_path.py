@@ -18,6 +18,7 @@ mean timings, so they all run the same program.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from contextlib import contextmanager
@@ -95,6 +96,7 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
             plan.rejected["channels_last"] = "no 2-D convolution"
     if "compile" in candidates:
         runs["compile"] = torch.compile(module)
+    tried_names = list(runs)
     with _untouched(module):
         reference = _grads(module, module, example, autocast)
         for name, run in list(runs.items())[1:]:
@@ -109,7 +111,13 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
             for name, run in runs.items():
                 with _layout(module, name == "channels_last"):
                     times[name].append(_timed(module if isinstance(run, str) else run, example, autocast))
-    plan.seconds = _agreed({name: statistics.median(t) for name, t in times.items()})
+    # Every replica sends a time for every candidate it tried (inf where its own check refused
+    # one), so the all-reduce has one shape everywhere and a refusal anywhere drops it everywhere.
+    tried = {name: statistics.median(times[name]) if name in times else math.inf for name in tried_names}
+    plan.seconds = {name: t for name, t in _agreed(tried).items() if math.isfinite(t)}
+    for name in tried_names:
+        if name not in plan.seconds:
+            plan.rejected.setdefault(name, "computes differently on another replica, not kept")
     best = min(plan.seconds, key=plan.seconds.get)
     if best != "eager" and plan.seconds["eager"] / plan.seconds[best] >= MIN_GAIN:
         setattr(plan, best, True)

@@ -68,3 +68,26 @@ def test_bad_fast_path_options_get_one_line():
         strategy.prepare(convnet(), fast_path=True)
     with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, compile; got 'fast'$"):
         strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
+
+
+def _one_rank_refuses_channels_last() -> tuple[dict[str, str], list[str]]:
+    import contextlib
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:  # as if this replica's kernels computed differently
+        fast_path._difference = lambda reference, got, tolerance: "differs here"
+    plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last"], contextlib.nullcontext)
+    dist.destroy_process_group()
+    return plan.rejected, sorted(plan.seconds)
+
+
+def test_a_candidate_refused_on_one_replica_is_dropped_on_every_replica():
+    """Each replica checks candidates on its own; the timings they agree on must have one shape."""
+    from tests.helpers import run_ranks
+
+    (rejected0, timed0), (rejected1, timed1) = run_ranks(_one_rank_refuses_channels_last, 2, timeout=60)
+    assert timed0 == timed1 == ["eager"]
+    assert rejected0["channels_last"] == "computes differently on another replica, not kept"
+    assert rejected1["channels_last"] == "differs here"
