@@ -83,9 +83,14 @@ class Strategy(ABC):
         """Strategy-specific wrapping (DDP, FSDP, ...); the identity for one device."""
         return module
 
-    def _skip_gradient_sync(self) -> ContextManager[Any]:
+    @contextmanager
+    def _skip_gradient_sync(self) -> Iterator[None]:
         """Context in which backward accumulates locally without communicating."""
-        return nullcontext()
+        self._set_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self._set_gradient_sync(True)
 
     def prepare(
         self,

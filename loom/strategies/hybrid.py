@@ -15,10 +15,9 @@ Every process of one replica (same ``dp``/``dp_shard`` position) reads the same 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from fnmatch import fnmatch
 from functools import partial
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -149,17 +148,6 @@ class HybridStrategy(MeshStrategy):
 
     def _average_over_replicas(self, params: list[nn.Parameter]) -> None:
         """The pipeline step's hook: FSDP has already reduced the gradients over the replicas."""
-
-    def _skip_gradient_sync(self) -> ContextManager[Any]:
-        return self._gradient_sync_off()
-
-    @contextmanager
-    def _gradient_sync_off(self) -> Iterator[None]:
-        self._set_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self._set_gradient_sync(True)
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         for module in self._sharded:

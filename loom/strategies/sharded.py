@@ -320,17 +320,6 @@ class ShardedStrategy(Strategy):
         finally:
             self._device = device
 
-    def _skip_gradient_sync(self) -> ContextManager[Any]:
-        return self._gradient_sync_off()
-
-    @contextmanager
-    def _gradient_sync_off(self) -> Iterator[None]:
-        self._set_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self._set_gradient_sync(True)
-
     def _set_gradient_sync(self, enabled: bool) -> None:
         for module in self._sharded:
             module.set_requires_gradient_sync(enabled)

@@ -17,7 +17,6 @@ import os
 import time
 import uuid
 from collections import deque
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
