@@ -300,6 +300,8 @@ class Strategy(ABC):
         )
 
     # ---- cross-replica values ---------------------------------------------------------------
+    _replica_group: Any = None  # the replicas' process group (None: every process is a replica)
+
     def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
         """Combine a tensor or a Python number over all replicas; every replica gets the result.
 
@@ -314,7 +316,7 @@ class Strategy(ABC):
         else:
             raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
         with self._guard():
-            comm.all_reduce(tensor, op)
+            comm.all_reduce(tensor, op, group=self._replica_group)
         if isinstance(value, torch.Tensor):
             return tensor
         result = tensor.item()
@@ -323,7 +325,7 @@ class Strategy(ABC):
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every replica's ``tensor`` concatenated along dim 0 in replica order (sizes may differ)."""
         with self._guard():
-            return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor)
+            return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor, group=self._replica_group)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the chief only, flushed: one line per job, not one per replica."""

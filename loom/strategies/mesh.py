@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
-from loom.strategies.base import Number, Strategy
+from loom.strategies.base import Strategy
 
 AXES = ("pp", "dp", "dp_shard", "tp")
 DATA_AXES = ("dp", "dp_shard")
@@ -150,26 +149,6 @@ class MeshStrategy(Strategy):
             return None  # the default group
         mine, _ = dist.new_subgroups_by_enumeration(self.mesh.replica_groups())
         return mine
-
-    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-            if op == "mean" and not tensor.is_floating_point():
-                tensor = tensor.double()
-        elif isinstance(value, (int, float)):
-            tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        else:
-            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-        with self._guard():
-            comm.all_reduce(tensor, op, group=self._replica_group)
-        if isinstance(value, torch.Tensor):
-            return tensor
-        result = tensor.item()
-        return int(result) if isinstance(value, int) and op != "mean" else result
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        with self._guard():
-            return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor, group=self._replica_group)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mesh={self.mesh.degrees}, rank={self.cluster.rank}, device={self.device}, precision={self._precision_name!r})"
