@@ -14,12 +14,12 @@ sums in another order than one matmul does (about 1e-7 relative in fp32).
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Mapping, Union
+from typing import Iterator, Mapping, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from loom.strategies.dtensor_norm import clip_grad_norm
@@ -100,7 +100,68 @@ def resolve_plan(module: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
             styles[name] = STYLES[style]()
         else:
             raise ValueError(f"unknown tensor-parallel style {style!r} for {name!r}; choose one of: {', '.join(STYLES)}")
+    check_pairs(module, {n: style for pattern, style in plan.items() for n in layers if n == pattern or fnmatch(n, pattern)})
     return styles
+
+
+def check_pairs(module: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> None:
+    """Refuse a layer that needs all of a split pair's features (a BatchNorm, a LayerNorm) between its two sides.
+
+    Between a column-wise layer and the row-wise one that closes the pair, each process holds
+    a slice of the features: such a layer would fail deep in torch, or normalise a slice.
+    ``plan`` names modules (no patterns).
+    """
+    for col, row, name, layer in _between_pairs(module, plan):
+        features = _out_features(module.get_submodule(col))
+        if _needs_features(layer, features):
+            raise ValueError(
+                f"the tensor-parallel plan splits {col} column-wise and {row} row-wise, but {name} ({type(layer).__name__}) "
+                f"between them needs all {features} features and each process holds a slice: leave that pair out of the "
+                f"plan (pass plan= without {col} and {row}) or move {name} outside the pair"
+            )
+
+
+def _side(style: Union[str, ParallelStyle, None]) -> str | None:
+    """'colwise' for a layer whose output stays split over the processes; 'rowwise' for one taking split input."""
+    if style == "colwise" or (isinstance(style, ColwiseParallel) and style.output_layouts[0] == Shard(-1)):
+        return "colwise"
+    if style == "rowwise" or (isinstance(style, RowwiseParallel) and style.input_layouts[0] == Shard(-1)):
+        return "rowwise"
+    return None
+
+
+def _between_pairs(module: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> Iterator[tuple[str, str, str, nn.Module]]:
+    """(column-wise layer, row-wise layer, name, child) for each child registered between the two sides of a pair.
+
+    "Between" is the order a parent registers its children in: an ``nn.Sequential``'s run
+    order, and the order most models build their layers in (``fc``, then ``proj``).
+    """
+    for prefix, parent in module.named_modules():
+        at = f"{prefix}." if prefix else ""
+        col, inside = None, []
+        for name, child in parent.named_children():
+            side = _side(plan.get(f"{at}{name}"))
+            if side == "colwise":
+                col, inside = f"{at}{name}", []
+            elif side == "rowwise" and col is not None:
+                yield from ((col, f"{at}{name}", n, c) for n, c in inside)
+                col = None
+            elif col is not None and f"{at}{name}" not in plan:
+                inside.append((f"{at}{name}", child))
+
+
+def _out_features(layer: nn.Module) -> int:
+    return layer.out_features if isinstance(layer, nn.Linear) else getattr(layer, "embedding_dim", -1)
+
+
+def _needs_features(layer: nn.Module, features: int) -> bool:
+    """Whether ``layer`` holds a tensor sized by ``features`` (a norm's weight or statistics) or normalises over them."""
+    for sub in layer.modules():
+        sizes = [getattr(sub, "num_features", None), getattr(sub, "num_channels", None), *getattr(sub, "normalized_shape", ())]
+        tensors = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if features in sizes or any(features in t.shape for t in tensors):
+            return True
+    return False
 
 
 def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
@@ -108,8 +169,8 @@ def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
 
     A pair is a module's column-side children (``q``/``k``/``v``, ``fc``, ``w1``/``w3``, ...)
     with its one row-side child (``proj``, ``o_proj``, ``w2``, ...), or two Linear layers of an
-    ``nn.Sequential`` with only parameter-free layers between them. Layers whose split size
-    ``degree`` does not divide stay whole.
+    ``nn.Sequential`` with only element-wise layers between them. Layers whose split size
+    ``degree`` does not divide, and pairs with a norm between their sides, stay whole.
     """
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():
@@ -121,8 +182,9 @@ def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
         cols = {n: c for n, c in linears.items() if n in COLWISE_NAMES}
         rows = [n for n in linears if n in ROWWISE_NAMES]
         if cols and len(rows) == 1 and all(c.out_features % degree == 0 for c in cols.values()) and linears[rows[0]].in_features % degree == 0:
-            plan.update({f"{at}{n}": "colwise" for n in cols})
-            plan[f"{at}{rows[0]}"] = "rowwise"
+            pair = {**{f"{at}{n}": "colwise" for n in cols}, f"{at}{rows[0]}": "rowwise"}
+            if not any(_needs_features(c, _out_features(parent.get_submodule(col))) for col, _, _, c in _between_pairs(parent, _relative(pair, at))):
+                plan.update(pair)  # a norm between the two sides needs every feature: that pair stays whole
     for name, child in module.named_children():
         if isinstance(child, nn.Embedding) and child.num_embeddings % degree == 0 and child.max_norm is None:
             plan[name] = "embedding"
@@ -148,5 +210,9 @@ def _sequential_pairs(seq: nn.Sequential, at: str, degree: int, plan: dict[str, 
                 first = None
                 continue
             first = (name, child)
-        elif any(True for _ in child.parameters()) or len(child._modules):
-            first = None  # a layer between them that mixes features: not an element-wise pair
+        elif first is not None and (any(True for _ in child.parameters()) or any(True for _ in child.buffers()) or len(child._modules) or _needs_features(child, first[1].out_features)):
+            first = None  # a layer between them that mixes or normalises features: not an element-wise pair
+
+
+def _relative(plan: dict[str, str], at: str) -> dict[str, str]:
+    return {name[len(at):]: style for name, style in plan.items()}

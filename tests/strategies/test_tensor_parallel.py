@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import loom
 from examples.gpt_model import GPT
@@ -99,3 +100,37 @@ def test_a_plan_naming_a_missing_module_is_one_line():
         resolve_plan(GPT(tp_gpt.CONFIG), {"layers.*.fc": "colwise"})
     with pytest.raises(ValueError, match=r"^unknown tensor-parallel style 'columnwise' for 'head'; choose one of: colwise, rowwise, output, embedding$"):
         resolve_plan(GPT(tp_gpt.CONFIG), {"head": "columnwise"})
+
+
+class NormedMLP(nn.Module):
+    """An MLP that normalises its hidden units: the norm needs all of them, and sits between fc and proj."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16, elementwise_affine=False)  # no weights: only its normalized_shape says 16
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(self.fc(x)))
+
+
+def test_a_norm_between_the_two_sides_of_a_pair_is_refused_in_one_line():
+    """Each process would hold 8 of the 16 hidden features, and the norm would fail deep in torch."""
+    batchnorm = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16, affine=False), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(ValueError) as error:
+        resolve_plan(batchnorm, {"0": "colwise", "3": "rowwise"})
+    assert str(error.value) == (
+        "the tensor-parallel plan splits 0 column-wise and 3 row-wise, but 1 (BatchNorm1d) between them needs all 16 "
+        "features and each process holds a slice: leave that pair out of the plan (pass plan= without 0 and 3) or move 1 "
+        "outside the pair"
+    )
+    model = nn.Sequential(NormedMLP(), NormedMLP())  # torch's style objects and patterns too
+    with pytest.raises(ValueError, match=r"^the tensor-parallel plan splits 0\.fc column-wise and 0\.proj row-wise, but 0\.norm \(LayerNorm\) between"):
+        resolve_plan(model, {"*.fc": ColwiseParallel(), "*.proj": RowwiseParallel()})
+    # the default plan leaves such pairs whole; norms outside a pair (GPT's) are no obstacle
+    with pytest.raises(ValueError, match=r"^found no layers of Sequential to split"):
+        default_plan(batchnorm, 2)
+    assert "0.fc" not in default_plan(nn.Sequential(NormedMLP(), nn.Linear(8, 32), nn.Linear(32, 8)), 2)
+    resolve_plan(GPT(tp_gpt.CONFIG), default_plan(GPT(tp_gpt.CONFIG), 2))
+    resolve_plan(model, {"0.fc": "colwise", "1.proj": "rowwise"})  # no pair in one parent: nothing between
