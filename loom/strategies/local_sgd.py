@@ -14,6 +14,11 @@ bytes. It is not the same training as synchronous data parallelism on the global
 does not equal one device, except local SGD with ``sync_every=1`` and a linear optimizer such
 as SGD with momentum); its quality has to be measured (``bench/slow_link.py``).
 
+Buffers (BatchNorm's running statistics) are each replica's own between syncs, computed on
+its own slice, and replaced by their mean over the replicas at every sync, together with the
+parameters (DiLoCo averages them too: the outer step moves parameters only). Synchronised
+BatchNorm is refused: it would all-reduce in every forward, which the local steps avoid.
+
 ``save`` first syncs replicas that have stepped since the last sync, so a checkpoint holds the
 model every replica agrees on and restores under any strategy. The inner optimizers' state is
 rank 0's (as for any replicated optimizer); DiLoCo's outer momentum starts afresh on restore.
@@ -103,11 +108,12 @@ class LocalStepOptimizer(StrategyOptimizer):
 
 
 class LocalSGDStrategy(MultiWorkerMirroredStrategy):
-    """Every replica trains alone; parameters are averaged every ``sync_every`` optimizer steps.
+    """Every replica trains alone; parameters and buffers are averaged every ``sync_every`` optimizer steps.
 
     Args:
         sync_every: H, the optimizer steps between syncs.
         num_replicas, precision, timeout, backend: as for ``MirroredStrategy``.
+        sync_batchnorm: refused (each replica keeps its own BatchNorm statistics between syncs).
     """
 
     def __init__(
@@ -117,9 +123,15 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         precision: str = "32",
         timeout: float | None = None,
         backend: str | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"{type(self).__name__}(sync_every=...) must be a positive number of optimizer steps, got {sync_every!r}")
+        if sync_batchnorm:
+            raise ValueError(
+                f"{type(self).__name__} cannot take sync_batchnorm=True: it would all-reduce BatchNorm statistics in every "
+                "forward, which the local steps avoid; drop it (each replica keeps its own statistics, averaged at every sync)"
+            )
         super().__init__(num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend)
         self.sync_every = sync_every
         self._replicas: weakref.WeakKeyDictionary[nn.Module, Replicas] = weakref.WeakKeyDictionary()  # by the user's module
@@ -173,6 +185,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
         sync_every: H, the inner optimizer steps between syncs (the paper uses 500 on LLMs).
         outer_lr, outer_momentum: the outer SGD with Nesterov momentum (the paper's 0.7 and 0.9).
         num_replicas, precision, timeout, backend: as for ``MirroredStrategy``.
+        sync_batchnorm: refused, as for ``LocalSGDStrategy``.
     """
 
     def __init__(
@@ -184,13 +197,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
         precision: str = "32",
         timeout: float | None = None,
         backend: str | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         if not outer_lr > 0 or not 0 <= outer_momentum < 1:
             raise ValueError(
                 f"DiLoCoStrategy needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr={outer_lr!r}, "
                 f"outer_momentum={outer_momentum!r}"
             )
-        super().__init__(sync_every, num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend)
+        super().__init__(sync_every, num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend, sync_batchnorm=sync_batchnorm)
         self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
 
     def _outer_optimizer(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:

@@ -32,6 +32,7 @@ from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.precision import DTYPES, Precision
+from loom.strategies.sync_batchnorm import convert_sync_batchnorm
 
 Init = Callable[[nn.Module], None]
 OFFLOAD_ON_CPU = "offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload"
@@ -218,6 +219,8 @@ class ShardedStrategy(Strategy):
         mp_policy: an explicit ``torch.distributed.fsdp.MixedPrecisionPolicy`` instead.
         offload: keep shards, gradients and optimizer state in CPU memory (GPU jobs only).
         num_replicas, timeout, backend: as for MirroredStrategy.
+        sync_batchnorm: BatchNorm layers compute their statistics over the global batch (as
+            MirroredStrategy's); otherwise each replica over its own slice.
     """
 
     def __init__(
@@ -230,8 +233,10 @@ class ShardedStrategy(Strategy):
         num_replicas: int | None = None,
         timeout: float | None = None,
         backend: str | None = None,
+        sync_batchnorm: bool = False,
     ) -> None:
         super().__init__(precision=precision, timeout=timeout)
+        self.sync_batchnorm = sync_batchnorm
         if not TorchrunEnvironment.detect():
             raise LaunchError(
                 "ShardedStrategy runs one process per replica: start the script with `loom run script.py` or call loom.launch(main) in it"
@@ -294,6 +299,8 @@ class ShardedStrategy(Strategy):
         """As ``Strategy.prepare``; an optimizer built on the model's parameters before is moved onto their shards."""
         refuse_fast_path(type(self).__name__, fast_path)
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
+            if self.sync_batchnorm:  # before sharding: the synced layers keep the very parameters
+                model = convert_sync_batchnorm(model, self._device)
             names = {id(p): name for name, p in model.named_parameters()}
             on_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
             if on_meta:

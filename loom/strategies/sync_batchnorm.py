@@ -61,8 +61,9 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     if device.type != "cpu":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     if isinstance(module, _BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
-        synced = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
-        synced.load_state_dict(module.state_dict())
+        device = next((t.device for t in [*module.parameters(), *module.buffers()]), None)  # meta under ShardedStrategy.scope()
+        synced = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, device=device)
+        synced.load_state_dict(module.state_dict(), assign=True)
         synced.train(module.training)
         if module.affine:  # keep the very Parameter objects: an optimizer may already hold them
             synced.weight, synced.bias = module.weight, module.bias
