@@ -187,7 +187,9 @@ class PipelineStrategy(Strategy):
     def train_step(self, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer, scheduler: Any = None,
                    max_grad_norm: float | None = None, accumulate: int = 1) -> TrainStep:  # fmt: skip
         """The step runs the schedule; see ``Strategy.train_step``. Batches must split into
-        ``accumulate * microbatches`` equal micro-batches, and keep one shape."""
+        ``accumulate * microbatches`` equal micro-batches, and keep the first one's shape; a
+        smaller batch (an epoch's short last one) runs unpipelined, stage after stage, as one
+        micro-batch, and gives the same update."""
         if not isinstance(model, PipelineModule) or model.strategy is not self:
             raise TypeError("PipelineStrategy.train_step takes the model this strategy's prepare() returned")
         return PipelineStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
@@ -327,12 +329,19 @@ class PipelineStep(TrainStep):
         runner: PipelineRunner = self.model.runner  # type: ignore[union-attr]
         size = batch_len(inputs if targets is None else targets)
         k, m = self.accumulate, runner.microbatches
+        loss_fn = self.loss_fn if targets is not None else (lambda out, _: self.loss_fn(out, None))
+        full = runner.scheduled_batch
+        if full is not None and size < full * k:  # an epoch's short last batch: stage after stage, whole
+            with strategy._guard():
+                loss, self.outputs = runner.step_whole(inputs, targets, loss_fn, 1.0)
+            strategy._average_over_replicas(runner.parameters())
+            self._update()
+            return loss
         if size % (k * m):
             raise ValueError(
                 f"PipelineStrategy(microbatches={m}) with accumulate={k} cannot split a batch of {size} into {k * m} "
                 f"equal micro-batches: use a batch size (per replica) divisible by {k * m}"
             )
-        loss_fn = self.loss_fn if targets is not None else (lambda out, _: self.loss_fn(out, None))
         losses, outputs = [], []
         for i in range(k):
             a, b = size * i // k, size * (i + 1) // k

@@ -14,7 +14,7 @@ from torch import nn
 
 from loom.strategies.pipeline_split import Layers, LastStage, build_stage
 from loom.strategies.precision import Precision
-from loom.strategies.step import batch_len, slice_batch
+from loom.strategies.step import _detached, batch_len, slice_batch
 
 # name -> (torch's schedule class in torch.distributed.pipelining, stages per process: None for two or more).
 # That module is imported when the first schedule is built: it costs seconds and imports torch._dynamo.
@@ -128,6 +128,46 @@ class PipelineRunner:
         outputs = self._schedule.step(*args, target=target)
         # the first step also computes a loss while torch infers the shapes: the schedule's are the last ones
         loss = torch.stack(self._losses[-self.microbatches :]).mean() if self.last else torch.zeros((), device=self.device)
+        return self._from_last(loss), self._from_last(outputs)
+
+    @property
+    def scheduled_batch(self) -> int | None:
+        """The batch size the schedule was built for at the first step (None before it)."""
+        return None if self._shapes is None else self._micro * self.microbatches
+
+    def step_whole(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> tuple[torch.Tensor, Any]:
+        """Forward and backward of a batch smaller than the schedule's (an epoch's short last one), unpipelined.
+
+        torch's schedules keep the shapes of their first step, so this batch goes as one
+        micro-batch: forward stage after stage, then backward from the last stage to the first.
+        Its gradients are those of ``scale`` times its mean loss, as ``step`` gives.
+        """
+        held: dict[int, tuple[Any, Any]] = {}  # stage -> (its input, its output)
+        for s in self.mine:
+            if s == 0:
+                x = inputs
+            else:
+                x = held[s - 1][1].detach() if self.owners[s - 1] == self.rank else _receive(self._global(self.owners[s - 1]), self.group, self.device)
+                x.requires_grad_(x.is_floating_point())
+            module = self.modules[s]
+            if isinstance(module, LastStage):
+                module.example = inputs
+            with self.precision.autocast():
+                held[s] = (x, module(x))
+            if s < self.num_stages - 1 and self.owners[s + 1] != self.rank:
+                _send(held[s][1].detach(), self._global(self.owners[s + 1]), self.group)
+        loss, outputs = torch.zeros((), device=self.device), None
+        for s in reversed(self.mine):
+            x, out = held[s]
+            if s == self.num_stages - 1:
+                value = loss_fn(out, targets if targets is not None else torch.zeros(batch_len(inputs)))
+                loss, outputs = value.detach(), _detached(out)
+                self.precision.scale(value * scale).backward()
+            else:
+                grad = held[s + 1][0].grad if self.owners[s + 1] == self.rank else _receive(self._global(self.owners[s + 1]), self.group, self.device)
+                out.backward(grad)
+            if s > 0 and self.owners[s - 1] != self.rank:
+                _send(x.grad if x.grad is not None else torch.zeros_like(x), self._global(self.owners[s - 1]), self.group)
         return self._from_last(loss), self._from_last(outputs)
 
     @torch.no_grad()

@@ -46,6 +46,18 @@ def train(strategy, steps: int, **step_options):
     return prepared, opt, step, losses
 
 
+def uneven_epoch(strategy):
+    """One epoch of 19 samples in global batches of 8, clipped: the last batch holds 3."""
+    prepared, opt = strategy.prepare(model(), adamw)
+    step = strategy.train_step(prepared, next_byte_loss, opt, max_grad_norm=0.5)
+    data = TensorDataset(*(torch.cat(parts)[: 2 * BATCH + 3] for parts in zip(*batches(3, seed=11))))
+    losses, rows = [], []
+    for x, y in strategy.distribute(data, batch_size=BATCH, shuffle=False):
+        losses.append(float(step(x, y)))
+        rows.append(step.outputs.shape[0])
+    return prepared, {"losses": losses, "rows": rows}
+
+
 def error_of(fn) -> str:
     try:
         fn()
@@ -75,10 +87,21 @@ def main() -> None:
         "evaluate": [loom.evaluate(m, next_byte_loss, TensorDataset(*batches(1, seed=5)[0]), batch_size=BATCH, strategy=s)["loss"]
                      for m, s in ((prepared, strategy), (one_model, loom.OneDeviceStrategy()))],
     }
+    # an epoch whose last batch is short (19 samples in batches of 8): that batch runs stage after stage
+    results["uneven"] = {}
+    one_uneven, one_got = uneven_epoch(loom.OneDeviceStrategy())
+    for name, uneven in {"1f1b": strategy, "zbv": loom.PipelineStrategy(schedule="zbv_zero_bubble", virtual_stages=2, timeout=60)}.items():
+        prepared_uneven, got = uneven_epoch(uneven)
+        reference_uneven = one_uneven.state_dict()
+        results["uneven"][name] = {"weights": mine(prepared_uneven), "reference": {k: reference_uneven[k] for k in mine(prepared_uneven)}, **got}
+    results["uneven"]["reference_losses"] = one_got["losses"]
+
     x, y = batches(1, seed=7)[0]
+    unbuilt, unbuilt_opt = strategy.prepare(model(), adamw)
+    first_step = strategy.train_step(unbuilt, next_byte_loss, unbuilt_opt)  # its schedule is built at the first step
     results["errors"] = {
         "shape": error_of(lambda: step(x[:, :4], y[:, :4])),
-        "microbatches": error_of(lambda: step(x[:6], y[:6])),
+        "microbatches": error_of(lambda: first_step(x[:6], y[:6])),
         "eager": error_of(lambda: prepared(x)),
         "fast_path": error_of(lambda: strategy.prepare(model(), fast_path=True, example_input=x)),
     }
