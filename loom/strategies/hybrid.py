@@ -45,8 +45,10 @@ class HybridStrategy(MeshStrategy):
         microbatches, schedule, split_points: the pipeline's, with a ``pp`` axis (see
             ``PipelineStrategy``); there ``train_step`` runs the schedule and the eager loop refuses.
         activation_checkpointing: recompute each block's activations in backward instead of
-            keeping them (blocks as ``loom.strategies.sharded.blocks`` finds them).
-        compile: ``torch.compile`` each block.
+            keeping them (blocks as ``loom.strategies.sharded.blocks`` finds them; with a ``pp``
+            axis, each of the stage's blocks; the whole model or stage when it has none).
+        compile: ``torch.compile`` each block: True with inductor, or the name of another
+            backend (``"aot_eager"``: traced and differentiated ahead of time, no code generated).
         precision: ``"32"`` or ``"bf16-mixed"``.
         timeout, backend: as for ``MirroredStrategy``.
     """
@@ -56,7 +58,7 @@ class HybridStrategy(MeshStrategy):
         mesh: MeshSpec,
         plan: Plan | None = None,
         activation_checkpointing: bool = False,
-        compile: bool = False,
+        compile: bool | str = False,
         microbatches: int | None = None,
         schedule: str = "1f1b",
         split_points: Sequence[str] | None = None,
@@ -69,6 +71,8 @@ class HybridStrategy(MeshStrategy):
                 "HybridStrategy cannot skip an fp16 step that overflowed on one process's part of the model only: "
                 "use precision='bf16-mixed', which needs no loss scaling"
             )
+        if not isinstance(compile, (bool, str)):
+            raise TypeError(f"compile takes True, False or a torch.compile backend's name, not {type(compile).__name__}")
         super().__init__(mesh, precision=precision, timeout=timeout, backend=backend)
         self.plan = plan
         self.activation_checkpointing = activation_checkpointing
@@ -124,12 +128,15 @@ class HybridStrategy(MeshStrategy):
             if mine:
                 tensor_parallelize(model, self.device_mesh, mine)
         data = tuple(axis for axis in ("dp", "dp_shard") if axis in self.mesh.degrees)
+        options = {"backend": self.compile} if isinstance(self.compile, str) else {}
+        if options and self.compile not in torch.compiler.list_backends(exclude_tags=()):  # imports dynamo: only now
+            raise ValueError(f"unknown torch.compile backend {self.compile!r}; choose one of: {', '.join(torch.compiler.list_backends())}")
         for unit in units:
-            for block in blocks(unit):
+            for block in _blocks(unit):
                 if self.activation_checkpointing:
                     block.forward = partial(checkpoint, block.forward, use_reentrant=False)  # keeps the parameters' names
                 if self.compile:
-                    block.compile()
+                    block.compile(**options)
             if data:
                 shard_model(unit, self.device_mesh[data] if len(data) > 1 else self.device_mesh[data[0]])
                 self._sharded.append(unit)  # type: ignore[arg-type]
@@ -170,3 +177,11 @@ class HybridStrategy(MeshStrategy):
         with self._guard():
             return self._pipeline.restore(directory, **options)
 
+
+def _blocks(unit: nn.Module) -> list[nn.Module]:
+    """What checkpointing and compile apply to, one by one: a pipeline stage's own blocks (even a single
+    one), else the unit's repeated blocks, else the whole unit."""
+    own = getattr(unit, "blocks", None)  # a stage of a model whose forward runs a list of blocks
+    if isinstance(own, nn.ModuleList) and len(own):
+        return list(own)
+    return blocks(unit) or [unit]

@@ -7,6 +7,7 @@ and the norms before clipping. The batch is the same global batch whatever the s
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Callable
 
 import torch
@@ -43,8 +44,10 @@ def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict
     strategy = make()
     torch.manual_seed(0)
     gpt = GPT(CONFIG)
-    calls = []  # the MLP's forward calls: activation checkpointing starts them again in backward
-    gpt.blocks[-1].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
+    # The MLP's forward calls (activation checkpointing starts them again in backward), in a tensor:
+    # torch.compile would guard on a list's length and compile again at every call.
+    calls = torch.zeros((), dtype=torch.long)
+    gpt.blocks[-1].mlp.register_forward_pre_hook(counter(calls))
     model, opt = strategy.prepare(gpt, adamw)
     step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=MAX_NORM)
     train_set, _ = splits(CONFIG.context, max_bytes=CONFIG.context * GLOBAL_BATCH * STEPS + 1, val_fraction=0.0)
@@ -57,4 +60,20 @@ def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict
     local = {n: tuple(p.to_local().shape) for n, p in loom.unwrap(model).named_parameters() if isinstance(p, DTensor)}
     weights = {k: whole(v) for k, v in loom.unwrap(model).state_dict().items() if not v.is_meta}  # a pipeline stage: its own
     return {"weights": weights, "norms": norms, "losses": losses, "local_shapes": local, "replicas": strategy.num_replicas_in_sync,
-            "mlp_calls": len(calls)}
+            "mlp_calls": int(calls), "compiled_graphs": compiled_graphs()}
+
+
+def counter(calls: torch.Tensor) -> Callable[..., None]:
+    def count(*_: Any) -> None:  # returns None: a forward pre-hook's result would replace the inputs
+        calls.add_(1)
+
+    return count
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has traced and differentiated in this process so far (0 if it never ran)."""
+    if "torch._dynamo" not in sys.modules:
+        return 0
+    from torch._dynamo.utils import counters  # test-only: torch has no public counter of compiled graphs
+
+    return counters["aot_autograd"]["ok"]
