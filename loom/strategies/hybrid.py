@@ -73,6 +73,8 @@ class HybridStrategy(MeshStrategy):
             )
         if not isinstance(compile, (bool, str)):
             raise TypeError(f"compile takes True, False or a torch.compile backend's name, not {type(compile).__name__}")
+        if isinstance(compile, str) and compile not in torch.compiler.list_backends(exclude_tags=()):  # imports dynamo: only here
+            raise ValueError(f"unknown torch.compile backend {compile!r}; choose one of: {', '.join(torch.compiler.list_backends())}")
         super().__init__(mesh, precision=precision, timeout=timeout, backend=backend)
         self.plan = plan
         self.activation_checkpointing = activation_checkpointing
@@ -129,8 +131,6 @@ class HybridStrategy(MeshStrategy):
                 tensor_parallelize(model, self.device_mesh, mine)
         data = tuple(axis for axis in ("dp", "dp_shard") if axis in self.mesh.degrees)
         options = {"backend": self.compile} if isinstance(self.compile, str) else {}
-        if options and self.compile not in torch.compiler.list_backends(exclude_tags=()):  # imports dynamo: only now
-            raise ValueError(f"unknown torch.compile backend {self.compile!r}; choose one of: {', '.join(torch.compiler.list_backends())}")
         for unit in units:
             for block in _blocks(unit):
                 if self.activation_checkpointing:

@@ -46,6 +46,7 @@ def _refusals() -> dict[str, str]:
         "backward": lambda: strategy.backward(torch.zeros((), requires_grad=True)),
         "optimizer": lambda: strategy.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1)),
         "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
+        "compile": lambda: loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], compile="inductr"),
     }.items():
         try:
             attempt()
@@ -120,4 +121,6 @@ def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_on
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
         assert refused["optimizer"].startswith("TypeError: HybridStrategy with a pp axis builds the optimizer on this stage's parameters")
         assert refused["fast_path"].startswith("ValueError: HybridStrategy does not take prepare(fast_path=...): each process holds only part")
+        assert refused["compile"].startswith("ValueError: unknown torch.compile backend 'inductr'; choose one of: ")
+        assert "inductor" in refused["compile"]
         assert all("\n" not in line for line in refused.values())
