@@ -3,6 +3,7 @@
 Tolerance 1e-5, as for TensorParallelStrategy: FSDP's reduce-scatter, the tensor-parallel
 row-wise all-reduce and the pipeline's micro-batches each add partial sums in another order
 than one device's matmul (about 1e-7 relative in fp32; measured 3.6e-7 after 10 AdamW steps).
+The tenth batch is short (tp_gpt.LAST_BATCH): the pipeline runs it stage after stage, unscheduled.
 """
 
 from __future__ import annotations
