@@ -291,6 +291,7 @@ def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> No
     print(f"ceiling: compute alone {compute * 1e3:.0f} ms ({cpu['compute alone'] * 1e3:.0f} CPU ms), all-reduce of every "
           f"gradient {every * 1e3:.0f} ms, of the first layer (the last bucket) {last * 1e3:.0f} ms: "
           f"max(compute, all-reduce) + last bucket = {ceiling * 1e3:.0f} ms")  # fmt: skip
+    print(f"no contender can beat raw DDP by more than raw DDP / compute alone = {raw / compute:.2f}x on this machine now")
     print(f"load average during the run: {measured['load'][0]:.1f} at the start, {measured['load'][1]:.1f} at the end (2 cores)")
     if quality:
         base = quality["sync fp32"]
@@ -298,7 +299,7 @@ def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> No
             print(f"quality {name:<10} validation loss {loss:.4f} ({loss / base - 1:+.1%} vs synchronous fp32)")
     ceilings = {"compute": compute, "all_reduce": every, "last_bucket": last}
     results = {"machine": measured["machine"], "link": RATE, "per_host_batch": PER_HOST, "sync_every": args.sync_every,
-               "ceilings": ceilings, "ceiling_seconds": ceiling, "contenders": rows, "quality": quality,
+               "ceilings": ceilings, "compute_bound_vs_raw_ddp": raw / compute, "ceiling_seconds": ceiling, "contenders": rows, "quality": quality,
                "quality_steps": args.quality_steps, "load_average": measured["load"],
                "note": "2-core machine shared with other jobs, both hosts on it: figures taken under load"}  # fmt: skip
     print(f"saved {save('slow_link', results)}")
