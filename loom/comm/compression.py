@@ -100,7 +100,7 @@ class PowerSGDHook:
     torch's ``powerSGD_hook`` runs the same algorithm, but on one CPU thread it spends more than
     the model's backward pass: it multiplies by the transposed gradient (``M^T P``, a strided walk
     four to ten times slower than ``P^T M``) and allocates two gradient-sized tensors a step for error
-    feedback. It also waits for its second all-reduce inside the first one's callback, which
+    feedback (here the error is M - P Q^T in one fused pass, into a kept buffer). It also waits for its second all-reduce inside the first one's callback, which
     deadlocks gloo's two worker threads when two buckets are in flight. Here Q is kept transposed,
     error feedback reuses its buffers, and every collective is started and waited for in the hook,
     on the backward pass's thread, bucket by bucket: the same order on every replica.
@@ -116,7 +116,6 @@ class PowerSGDHook:
         self.iter = 0  # backward passes seen; compression starts at config.start_iter
         self.error: dict[int, torch.Tensor] = {}  # bucket index -> what compression left out last step
         self.factors: dict[int, list[torch.Tensor]] = {}  # bucket index -> each matrix's Q^T (r x cols), warm start
-        self._kept: dict[int, torch.Tensor] = {}  # bucket index -> the gradient before compression (scratch)
         self._rng = torch.Generator().manual_seed(0)  # the same random factors on every replica
 
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -137,20 +136,19 @@ class PowerSGDHook:
 
     def _compress_and_reduce(self, index: int, buffer: torch.Tensor, grads: list[torch.Tensor], group: Any) -> None:
         world = dist.get_world_size(group)
-        if self.config.error_feedback:
+        feedback = self.config.error_feedback
+        if feedback:
             if index in self.error:
                 buffer.add_(self.error[index])
             else:
                 self.error[index] = torch.zeros_like(buffer)
-                self._kept[index] = torch.empty_like(buffer)
-            self._kept[index].copy_(buffer)
         matrices, rest = self._split(grads)
         qts = self._factors(index, matrices, buffer)
         ps = [torch.matmul(m, qt.t()) for m, qt in zip(matrices, qts)]
         sent = torch.cat([*(p.view(-1) for p in ps), *(g.view(-1) for g in rest)]) if ps or rest else buffer.new_empty(0)
         dist.all_reduce(sent, group=group)
         at = sum(p.numel() for p in ps)
-        for g in rest:  # the uncompressed gradients, averaged
+        for g in rest:  # the uncompressed gradients, averaged: nothing left out, their error stays 0
             g.copy_(sent[at:at + g.numel()].view_as(g)).div_(world)
             at += g.numel()
         at = 0
@@ -165,9 +163,14 @@ class PowerSGDHook:
             for qt, p, m in zip(qts, ps, matrices):
                 qt.copy_(flat[at:at + qt.numel()].view_as(qt))
                 at += qt.numel()
+                if feedback:  # error = M - P Q^T in one pass, before M is overwritten
+                    torch.addmm(m, p, qt, alpha=-1, out=self._error_of(index, buffer, m))
                 torch.matmul(p, qt, out=m)  # the approximation, written into the gradient
-        if self.config.error_feedback:
-            torch.sub(self._kept[index], buffer, out=self.error[index])
+
+    def _error_of(self, index: int, buffer: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The part of the bucket's error that lines up with ``grad`` (a view into the bucket's buffer)."""
+        at = grad.storage_offset() - buffer.storage_offset()
+        return self.error[index][at:at + grad.numel()].view_as(grad)
 
     def _split(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Gradients viewed as (rows, rest) matrices worth compressing, and the others as they are."""
