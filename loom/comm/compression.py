@@ -97,14 +97,14 @@ class PowerSGD:
 class PowerSGDHook:
     """PowerSGD for DDP's comm hook: one bucket's gradient matrices sent as P (rows x r) and Q (cols x r).
 
-    torch's ``powerSGD_hook`` runs this algorithm too, but on one CPU thread it costs about as much
-    as the model's backward pass (W1, under load: about 130 ms a step against 45 ms here): it multiplies by the
-    transposed gradient (``M^T P``, a strided walk ten times slower than ``P^T M``) and allocates two
-    gradient-sized tensors a step for error feedback. It also waits for its second all-reduce inside
-    the first one's callback, which deadlocks gloo's two worker threads when two buckets are in
-    flight. Here Q is kept transposed, the error is M - P Q^T in one fused pass into a kept buffer,
-    and every collective is started and waited for in the hook, on the backward pass's thread,
-    bucket by bucket: the same order on every replica.
+    torch's ``powerSGD_hook`` runs this algorithm too, but on one CPU thread it costs about as
+    much as the model's backward pass (W1, under load: about 130 ms a step against 45 ms here): it
+    multiplies by the transposed gradient (``M^T P``, a strided walk ten times slower than
+    ``P^T M``) and allocates two gradient-sized tensors a step for error feedback. It also waits for
+    its second all-reduce inside the first one's callback, which deadlocks gloo's two worker threads
+    when two buckets are in flight. Here Q is kept transposed, the error is M - P Q^T in one fused
+    pass into a kept buffer, and every collective is started and waited for in the hook, on the
+    backward pass's thread, bucket by bucket: the same order on every replica.
 
     Per bucket and step (after ``start_iter`` uncompressed steps): add the error; P = M Q for every
     matrix; all-reduce P with the gradients left uncompressed (vectors, matrices that would not
