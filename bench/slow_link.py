@@ -8,13 +8,16 @@ and removes the hosts afterwards. W1 (the MLP, 38 MiB of gradients) at 256 sampl
 Every contender runs in the same two processes, in interleaved blocks of steps whose order
 rotates per round, so the machine's noise hits all alike; ratios to raw DDP are what count:
 
-- raw DDP: ``DistributedDataParallel`` as written by hand (25 MB buckets, fp32);
+- raw DDP: ``DistributedDataParallel`` as written by hand (25 MB buckets, fp32), and with
+  torch's ``powerSGD_hook`` (rank 2, error feedback, one bucket);
 - loom fp32 with DDP's 25 MB buckets, and with the bucket size chosen from the model;
 - loom bf16 and PowerSGD (rank 2, error feedback) gradient compression;
 - DiLoCoStrategy (``--sync-every`` inner steps per sync; a block is one sync period).
 
 The ceiling of a synchronous step is max(compute, communication) plus the last bucket's
-all-reduce, which nothing overlaps; each is measured apart in the same job. Quality: a small
+all-reduce, which nothing overlaps; each is timed apart, in the same rounds as the contenders.
+Each row also gives the CPU time a step costs the process (all its threads): on a loaded
+machine that, not the wall time, shows what a contender adds. Quality: a small
 transformer trained on two local processes (no shaping: only the loss matters) for the same
 samples, synchronous fp32 against bf16, PowerSGD and DiLoCo; the validation loss is compared.
 """
@@ -61,33 +64,54 @@ def throughput_worker(rounds: int, steps: int, sync_every: int, out: str) -> Non
         "loom diloco": loom.DiLoCoStrategy(sync_every=sync_every, timeout=600),
     }
     data = workload.data(batches=4)
-    makers: dict[str, Callable[[], None]] = {"raw DDP": raw_ddp_step(workload, data)}
+    makers: dict[str, Callable[[], None]] = {"raw DDP": raw_ddp_step(workload, data), "raw DDP + torch powerSGD_hook": raw_ddp_step(workload, data, powersgd=True)}
     for name, strategy in strategies.items():
         makers[name] = loom_step(strategy, workload, data)
-    ceilings = measure_ceilings(workload)
+    makers.update(ceiling_steps(workload, data))
     for step in makers.values():  # warm-up: buckets rebuilt, PowerSGD past its uncompressed start
         for _ in range(3):
             step()
+    load_at_start = os.getloadavg()[0]
     seconds: dict[str, list[float]] = {name: [] for name in makers}
+    cpu: dict[str, list[float]] = {name: [] for name in makers}
+    slowest: dict[str, list[float]] = {name: [] for name in makers}
     order = list(makers)
-    for r in range(rounds):
+    for r in range(rounds):  # every contender and every ceiling in each round, in a rotating order
         for name in order[r % len(order):] + order[: r % len(order)]:
             n = sync_every if name == "loom diloco" else steps  # one sync period per block
             dist.barrier()
-            start = time.perf_counter()
+            start, start_cpu, each = time.perf_counter(), time.process_time(), []
             for _ in range(n):
+                begin = time.perf_counter()
                 makers[name]()
+                each.append(time.perf_counter() - begin)
+            cpu[name].append((time.process_time() - start_cpu) / n)  # this process's every thread: compute, casts, gloo
             dist.barrier()
             seconds[name].append((time.perf_counter() - start) / n)
+            slowest[name].append(max(each))
     if dist.get_rank() == 0:
-        Path(out).write_text(json.dumps({"seconds": seconds, "ceilings": ceilings, "machine": machine()}))
+        load = [load_at_start, os.getloadavg()[0]]
+        Path(out).write_text(json.dumps({"seconds": seconds, "cpu": cpu, "slowest": slowest, "load": load, "machine": machine()}))
 
 
-def raw_ddp_step(workload, data) -> Callable[[], None]:
+def raw_ddp_step(workload, data, powersgd: bool = False) -> Callable[[], None]:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
-    model = DistributedDataParallel(workload.build(), bucket_cap_mb=25, gradient_as_bucket_view=True)
+    model = workload.build()
+    if powersgd:  # torch's own hook, as the same rank and start; one bucket (two would deadlock gloo)
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        model = DistributedDataParallel(model, bucket_cap_mb=64, gradient_as_bucket_view=True)
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=2)
+        model.register_comm_hook(state, psgd.powerSGD_hook)
+    else:
+        model = DistributedDataParallel(model, bucket_cap_mb=25, gradient_as_bucket_view=True)
+    return plain_step(model, data)
+
+
+def plain_step(model: nn.Module, data) -> Callable[[], None]:
+    """A hand-written step on this host's slice of each global batch."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     rank = dist.get_rank()
     batches = endless([(x[rank * PER_HOST:(rank + 1) * PER_HOST], y[rank * PER_HOST:(rank + 1) * PER_HOST]) for x, y in _global_batches(data)])
@@ -114,34 +138,18 @@ def _global_batches(data):
     return [(x[i:i + 2 * PER_HOST], y[i:i + 2 * PER_HOST]) for i in range(0, len(x), 2 * PER_HOST)]
 
 
-def measure_ceilings(workload) -> dict[str, float]:
-    """Compute alone (no communication), the all-reduce of every gradient, and of the first layer's alone."""
+CEILINGS = ("compute alone", "all-reduce of every gradient", "all-reduce of the first layer")
+
+
+def ceiling_steps(workload, data) -> dict[str, Callable[[], None]]:
+    """Compute with no communication, the fp32 all-reduce of every gradient, and of the first layer's alone
+    (DDP's last bucket, which nothing overlaps), timed in the same rounds as the contenders."""
     torch.manual_seed(0)
     model = workload.build()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x, y = torch.randn(PER_HOST, *workload.input_shape), torch.randint(0, 10, (PER_HOST,))
-    compute = []
-    for _ in range(5):
-        start = time.perf_counter()
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        compute.append(time.perf_counter() - start)
     grads = sum(p.numel() for p in model.parameters())
     first = sum(p.numel() for p in model[0].parameters())
-    return {"compute": statistics.median(compute[1:]), "all_reduce": _all_reduce_seconds(grads), "last_bucket": _all_reduce_seconds(first)}
-
-
-def _all_reduce_seconds(numel: int) -> float:
-    buffer = torch.zeros(numel)
-    dist.all_reduce(buffer)
-    times = []
-    for _ in range(3):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(buffer)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    every, last = torch.zeros(grads), torch.zeros(first)
+    return dict(zip(CEILINGS, (plain_step(model, data), lambda: dist.all_reduce(every), lambda: dist.all_reduce(last))))
 
 
 # ---- quality, on two local processes ---------------------------------------------------------------
@@ -266,30 +274,39 @@ def main() -> None:
 
 
 def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> None:
-    seconds = {name: statistics.median(s) for name, s in measured["seconds"].items()}
-    raw = seconds["raw DDP"]
-    c = measured["ceilings"]
-    ceiling = max(c["compute"], c["all_reduce"]) + c["last_bucket"]
+    median = {name: statistics.median(s) for name, s in measured["seconds"].items()}
+    cpu = {name: statistics.median(s) for name, s in measured["cpu"].items()}
+    compute, every, last = (median.pop(name) for name in CEILINGS)
+    ceiling = max(compute, every) + last
+    raw = median["raw DDP"]
     rows = {}
-    for name, s in seconds.items():
+    for name, s in median.items():
         rows[name] = {"step_seconds": s, "samples_per_sec": 2 * PER_HOST / s, "vs_raw_ddp": raw / s, "vs_ceiling": s / ceiling,
-                      "blocks": measured["seconds"][name]}  # fmt: skip
-        print(f"{name:<24} {s * 1e3:7.1f} ms/step  {2 * PER_HOST / s:8.0f} samples/s  {raw / s:5.2f}x raw DDP  "
-              f"{s / ceiling:5.2f}x the synchronous ceiling")  # fmt: skip
-    print(f"ceiling: compute {c['compute'] * 1e3:.0f} ms, all-reduce of every gradient {c['all_reduce'] * 1e3:.0f} ms, "
-          f"of the first layer (the last bucket) {c['last_bucket'] * 1e3:.0f} ms: {ceiling * 1e3:.0f} ms")  # fmt: skip
+                      "cpu_seconds_per_step": cpu[name], "blocks": measured["seconds"][name],
+                      "slowest_step_seconds": statistics.median(measured["slowest"][name])}  # fmt: skip
+        print(f"{name:<30} {s * 1e3:7.1f} ms/step  {2 * PER_HOST / s:6.0f} samples/s  {raw / s:5.2f}x raw DDP  "
+              f"{s / ceiling:5.2f}x the synchronous ceiling  {cpu[name] * 1e3:6.1f} CPU ms/step")  # fmt: skip
+    sync = rows["loom diloco"]["slowest_step_seconds"]
+    print(f"diloco: its slowest step (the one that syncs) {sync * 1e3:.0f} ms, every {args.sync_every} steps")
+    print(f"ceiling: compute alone {compute * 1e3:.0f} ms ({cpu['compute alone'] * 1e3:.0f} CPU ms), all-reduce of every "
+          f"gradient {every * 1e3:.0f} ms, of the first layer (the last bucket) {last * 1e3:.0f} ms: "
+          f"max(compute, all-reduce) + last bucket = {ceiling * 1e3:.0f} ms")  # fmt: skip
+    print(f"no contender can beat raw DDP by more than raw DDP / compute alone = {raw / compute:.2f}x on this machine now")
+    print(f"load average during the run: {measured['load'][0]:.1f} at the start, {measured['load'][1]:.1f} at the end (2 cores)")
     if quality:
         base = quality["sync fp32"]
         for name, loss in quality.items():
             print(f"quality {name:<10} validation loss {loss:.4f} ({loss / base - 1:+.1%} vs synchronous fp32)")
+    ceilings = {"compute": compute, "all_reduce": every, "last_bucket": last}
     results = {"machine": measured["machine"], "link": RATE, "per_host_batch": PER_HOST, "sync_every": args.sync_every,
-               "ceilings": c, "ceiling_seconds": ceiling, "contenders": rows, "quality": quality,
-               "quality_steps": args.quality_steps, "note": "2-core machine shared with other jobs: figures taken under load"}  # fmt: skip
+               "ceilings": ceilings, "compute_bound_vs_raw_ddp": raw / compute, "ceiling_seconds": ceiling, "contenders": rows, "quality": quality,
+               "quality_steps": args.quality_steps, "load_average": measured["load"],
+               "note": "2-core machine shared with other jobs, both hosts on it: figures taken under load"}  # fmt: skip
     print(f"saved {save('slow_link', results)}")
-    plot(rows, quality, ceiling, RESULTS / "slow_link.png")
+    plot(rows, quality, RESULTS / "slow_link.png")
 
 
-def plot(rows: dict, quality: dict | None, ceiling: float, path: Path) -> None:
+def plot(rows: dict, quality: dict | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

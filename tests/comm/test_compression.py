@@ -89,8 +89,52 @@ def _powersgd_and_auto(directory):
     weights = {k: v.clone() for k, v in loom.unwrap(model).state_dict().items()}
     restored = {k: v.clone() for k, v in loom.unwrap(fresh).state_dict().items()}
     momentum = [s["momentum_buffer"].clone() for s in fresh_opt.state_dict()["state"].values()]
+    numerics = _powersgd_numerics()
     strategy.shutdown()
-    return losses, weights, restored, momentum, said.getvalue()
+    return losses, weights, restored, momentum, said.getvalue(), numerics
+
+
+def _powersgd_numerics():
+    """Plain DDP against PowerSGD on gradients of known rank, and a constant gradient's error feedback."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    g = torch.Generator().manual_seed(dist.get_rank())
+    x, y = torch.randn(6, 1, 12, generator=g), torch.randint(0, 8, (6, 1), generator=g)
+    trained = []
+    for compression in (None, PowerSGD(rank=2, start_iter=2), PowerSGD(rank=2, start_iter=0, error_feedback=False, warm_start=False)):
+        torch.manual_seed(0)
+        model = DDP(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8)))
+        if compression is not None:
+            hook, state = compression.hook()
+            model.register_comm_hook(state, hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for i in range(6):  # one sample per replica: every weight gradient has rank 1, their mean rank 2
+            F.cross_entropy(model(x[i]), y[i]).backward()
+            opt.step()
+            opt.zero_grad()
+        trained.append([p.detach().clone() for p in model.parameters()])
+
+    constant = torch.randn(8, 6, generator=g)  # this replica's gradient, every step
+
+    class Weight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.zeros(8, 6))
+
+        def forward(self):
+            return (self.w * constant).sum()
+
+    model = DDP(Weight())
+    hook, state = PowerSGD(rank=1, start_iter=2).hook()
+    model.register_comm_hook(state, hook)
+    for _ in range(6):
+        model().backward()
+        with torch.no_grad():
+            model.module.w -= model.module.w.grad  # SGD at lr 1: w is minus the sum of the applied gradients
+        model.module.w.grad = None
+    return trained, -model.module.w.detach().clone(), constant, state.error[0].view(8, 6).clone()
 
 
 @pytest.fixture(scope="session")
@@ -99,7 +143,7 @@ def two_replicas(tmp_path_factory):
 
 
 def test_powersgd_trains_and_restores(two_replicas):
-    (losses, weights, restored, momentum, _), (_, other, _, _, _) = two_replicas
+    (losses, weights, restored, momentum, _, _), (_, other, _, _, _, _) = two_replicas
     assert sum(losses[-5:]) < 0.9 * sum(losses[:5])  # it learns
     assert all(torch.equal(weights[k], other[k]) for k in weights)  # every replica applied the same update
     assert all(torch.equal(weights[k], restored[k]) for k in weights) and all(m.abs().sum() > 0 for m in momentum)
@@ -111,3 +155,20 @@ def test_auto_says_what_it_picked_on_the_chief_only(two_replicas):
     chief, other = two_replicas[0][4], two_replicas[1][4]
     assert chief.startswith("loom: compression='auto' picked none: 0.0 MiB of fp32 gradients per step over a ") and chief.count("\n") == 1
     assert other == ""
+
+
+def test_powersgd_of_rank_2_is_exact_on_gradients_of_rank_2(two_replicas):
+    exact, warm, cold = two_replicas[0][5][0]
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, warm))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, cold))
+
+
+def test_powersgd_error_feedback_sends_every_gradient_eventually(two_replicas):
+    # Replica r's gradient is constant, C_r. Two plain steps apply their mean; over the next four compressed
+    # ones, what was applied plus what error feedback still holds is 4 C_r.
+    applied = [numerics[1] for _, _, _, _, _, numerics in two_replicas]
+    assert torch.equal(applied[0], applied[1])  # both applied the same (rank-1) gradients
+    mean = sum(numerics[2] for _, _, _, _, _, numerics in two_replicas) / 2
+    for _, _, _, _, _, (_, summed, constant, error) in two_replicas:
+        assert torch.allclose(summed + error, 2 * mean + 4 * constant, atol=1e-5)
+        assert not torch.allclose(summed, 2 * mean + 4 * constant, atol=1e-2)  # compression did leave something over
