@@ -134,17 +134,13 @@ class MirroredStrategy(Strategy):
         return ddp
 
     def _bucket_cap_mb(self, shapes: list[torch.Size], compression: Compression) -> float:
-        """torch's PowerSGD hook waits for its second all-reduce inside the first one's callback, which
-        gloo runs on one of its two worker threads: two buckets in flight block both. On gloo it gets one."""
-        powersgd = compression == "powersgd" or isinstance(compression, PowerSGD)
-        if powersgd and dist.get_backend() == "gloo":
-            if self.bucket_cap_mb != "auto":
-                raise ValueError(
-                    f"PowerSGD on gloo runs as one bucket (torch's hook would deadlock gloo with two in flight); "
-                    f"drop bucket_cap_mb={self.bucket_cap_mb!r}"
-                )
+        """PowerSGD's hook finishes each bucket's collectives before backward goes on, so for it more
+        buckets add only round trips: "auto" gives it one. Otherwise "auto" sizes buckets for overlap."""
+        if self.bucket_cap_mb != "auto":
+            return self.bucket_cap_mb
+        if compression == "powersgd" or isinstance(compression, PowerSGD):
             return sum(int(s.numel()) for s in shapes) * 4 / 2**20 + 1.0
-        return auto_bucket_cap_mb(shapes) if self.bucket_cap_mb == "auto" else self.bucket_cap_mb
+        return auto_bucket_cap_mb(shapes)
 
     def _resolve_compression(self, shapes: list[torch.Size]) -> Compression:
         """The compression for a model with these gradients; "auto" measures the link once and says what it picked."""

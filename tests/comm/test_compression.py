@@ -103,9 +103,11 @@ def _powersgd_numerics():
     g = torch.Generator().manual_seed(dist.get_rank())
     x, y = torch.randn(6, 1, 12, generator=g), torch.randint(0, 8, (6, 1), generator=g)
     trained = []
-    for compression in (None, PowerSGD(rank=2, start_iter=2), PowerSGD(rank=2, start_iter=0, error_feedback=False, warm_start=False)):
+    cases = [(None, 25), (PowerSGD(rank=2, start_iter=2), 25), (PowerSGD(rank=2, start_iter=0, error_feedback=False, warm_start=False), 25)]
+    cases.append((PowerSGD(rank=2, start_iter=2), 1e-4))  # a bucket a parameter: several in flight on gloo
+    for compression, bucket_cap_mb in cases:
         torch.manual_seed(0)
-        model = DDP(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8)))
+        model = DDP(nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8)), bucket_cap_mb=bucket_cap_mb)
         if compression is not None:
             hook, state = compression.hook()
             model.register_comm_hook(state, hook)
@@ -158,9 +160,10 @@ def test_auto_says_what_it_picked_on_the_chief_only(two_replicas):
 
 
 def test_powersgd_of_rank_2_is_exact_on_gradients_of_rank_2(two_replicas):
-    exact, warm, cold = two_replicas[0][5][0]
+    exact, warm, cold, bucket_per_parameter = two_replicas[0][5][0]
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, warm))
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, cold))
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(exact, bucket_per_parameter))
 
 
 def test_powersgd_error_feedback_sends_every_gradient_eventually(two_replicas):
