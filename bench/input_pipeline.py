@@ -203,6 +203,52 @@ def tf_data(folder: Path, batch: int, step_seconds: float) -> dict[str, Any]:
     return result
 
 
+def copied(make: Callable[[], ld.PipelineLoader]) -> Callable[[], Iterable[Any]]:
+    """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
+
+    def make_copied() -> Iterable[Any]:
+        loader = make()
+        with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
+            loader._workers = loader._start_workers()
+        return loader
+
+    return make_copied
+
+
+def _as_is(sample: Any) -> Any:
+    return sample
+
+
+def machinery(batch: int, cores: int, batches: int = 60, rounds: int = 3) -> dict[str, float]:
+    """CPU ms per batch the process contenders spend besides the per-image work: the same loaders
+    over images already in memory, with nothing to do per image (least of ``rounds`` epochs).
+    Short and CPU-timed, so it holds on a busy machine; at the balanced step a pipeline needs
+    (bare work + this) / cores per step."""
+    images, labels = torch.randn(batches * batch, 3, CROP, CROP), torch.arange(batches * batch) % CLASSES
+    pipeline = ld.from_tensors(images, labels).shuffle(seed=0).map(_as_is, num_parallel=cores, method="process")
+    made = pipeline.batch(batch).prefetch().loader
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    makers: dict[str, Callable[[], Iterable[Any]]] = {
+        f"loom map(num_parallel={cores}) processes + prefetch": made,
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": copied(made),
+        f"DataLoader(num_workers={cores}, prefetch_factor=2)": lambda: torch.utils.data.DataLoader(
+            dataset, batch, shuffle=True, num_workers=cores, prefetch_factor=2, persistent_workers=True
+        ),
+    }
+    costs = {}
+    for name, make in makers.items():
+        loader = make()
+        timed_epoch(loader, 0.0)
+        spent = []
+        for _ in range(rounds):
+            used = cpu_seconds()
+            timed_epoch(loader, 0.0)
+            spent.append((cpu_seconds() - used) / batches * 1e3)
+        costs[name] = min(spent)
+        del loader  # its workers end before the next contender's are timed
+    return costs
+
+
 def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], Iterable[Any]]]:
     images = ld.image_folder(folder, decode=False).shuffle(seed=0)
     dataset = AugmentedImages(folder)
@@ -210,17 +256,6 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
     def loom(num_parallel: int | None, method: str = "thread", prefetch: bool = False) -> Callable[[], Iterable[Any]]:
         pipeline = images.map(augment, num_parallel=num_parallel, method=method).batch(batch)
         return (pipeline.prefetch() if prefetch else pipeline).loader
-
-    def loom_copied(num_parallel: int) -> Callable[[], Iterable[Any]]:
-        """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
-
-        def make() -> Iterable[Any]:
-            loader = loom(num_parallel, "process", True)()
-            with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
-                loader._workers = loader._start_workers()
-            return loader
-
-        return make
 
     def dataloader(factor: int) -> Callable[[], Iterable[Any]]:
         return lambda: torch.utils.data.DataLoader(
@@ -233,7 +268,7 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         f"loom map(num_parallel={cores}) threads + prefetch": loom(cores, prefetch=True),
         f"loom map(num_parallel={cores}) processes": loom(cores, "process"),
         f"loom map(num_parallel={cores}) processes + prefetch": loom(cores, "process", True),
-        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": loom_copied(cores),
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": copied(loom(cores, "process", True)),
         **{f"DataLoader(num_workers={cores}, prefetch_factor={f})": dataloader(f) for f in (2, 4, 8)},
     }
 
@@ -333,7 +368,17 @@ def main() -> None:
             "prefetched_step_vs_nominal_ideal": off_nominal,
             "results": results,
         })
-    summary = {"images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs}
+    print("\nwhat the process contenders add per batch (CPU, images in memory, nothing to do per image):")
+    added = machinery(args.batch, cores)
+    balanced = runs[-1]
+    for name, cost in added.items():
+        projected = (balanced["bare_cpu_ms_per_batch"] + cost) / balanced["bare_cpu_ms_per_batch"]
+        balanced.setdefault("balanced_on_idle_cores_vs_ideal", {})[name] = projected
+        print(f"  {name:<48} {cost:5.2f} ms/batch: at the balanced step on idle cores, (bare + that) / bare = {projected:.3f}")
+    summary = {
+        "images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs,
+        "machinery_cpu_ms_per_batch": added,
+    }
     name = "input_pipeline" if not (args.only or args.balanced) else "input_pipeline_some"  # a partial run keeps the full one
     print(f"\nsaved {save(name, summary)}")
     plot(summary, RESULTS / f"{name}.png")
