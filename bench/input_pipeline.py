@@ -11,6 +11,13 @@ Two step lengths: 0 (pure input throughput) and the balanced one, where input an
 equally long. Each configuration is warmed by one epoch, then timed over several epochs taken in turns with
 the others (median), because this machine is shared and noisy. "Parallelism" is measured: the
 bare per-image work run in as many plain processes as there are cores, against one.
+
+At the balanced step the bare work alone fills every core, so the ideal leaves no CPU for what
+a pipeline adds per batch (collating, handing the batch over, the training process's share):
+what it adds is exactly what the step exceeds the ideal by, times cores. Since wall times on a
+shared machine also measure the neighbours, each contender's CPU time (training process and
+its workers) is counted too, against the bare work's CPU time in the same rounds: "CPU/bare"
+is the pipeline's own cost, and max(CPU per batch / cores, step) is its step on idle cores.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import math
 import multiprocessing
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,6 +94,21 @@ class AugmentedImages(torch.utils.data.Dataset):
         return augment(self.source.read(0, i))
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its live children (persistent workers are never reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    total = usage.ru_utime + usage.ru_stime
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == os.getpid():
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def timed_epoch(batches: Iterable[Any], step_seconds: float) -> tuple[float, int]:
     """Seconds and samples of one pass, each batch followed by a step of known length."""
     start, samples = time.perf_counter(), 0
@@ -107,37 +130,48 @@ def measure(
     for loader in loaders.values():
         timed_epoch(loader, step_seconds)  # workers start, caches fill
     seconds: dict[str, list[float]] = {name: [] for name in loaders}
+    cpu: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(rounds):  # in turns, so the machine's slow spells hit every contender
         bare()
         for name, loader in loaders.items():
+            used = cpu_seconds()
             elapsed, samples = timed_epoch(loader, step_seconds)
+            cpu[name].append(cpu_seconds() - used)
             seconds[name].append(elapsed)
     results = []
     for name, loader in loaders.items():
-        elapsed = statistics.median(seconds[name])
+        elapsed, steps = statistics.median(seconds[name]), math.ceil(samples / batch)
         result = {
             "name": name,
             "samples_per_sec": samples / elapsed,
-            "step_ms": elapsed / math.ceil(samples / batch) * 1e3,
+            "step_ms": elapsed / steps * 1e3,
+            "cpu_ms_per_batch": statistics.median(cpu[name]) / steps * 1e3,
             "spread": [samples / s for s in sorted(seconds[name], reverse=True)],
         }
         if isinstance(loader, ld.PipelineLoader):
             result["report"] = loader.stats.summary()
-        print(f"  {name:<48} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step", flush=True)
+        print(
+            f"  {name:<48} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step"
+            f"   CPU {result['cpu_ms_per_batch']:5.1f} ms/batch",
+            flush=True,
+        )
         results.append(result)
     return results
 
 
 def _augment_slice(dataset: AugmentedImages, indices: range, rates: Any) -> None:
     torch.set_num_threads(1)
-    start = time.perf_counter()
+    for i in indices[:64]:  # warm, as the contenders' persistent workers are
+        dataset[i]
+    start, used = time.perf_counter(), time.process_time()
     for i in indices:
         dataset[i]
-    rates.put(len(indices) / (time.perf_counter() - start))
+    rates.put((len(indices) / (time.perf_counter() - start), (time.process_time() - used) / len(indices)))
 
 
-def raw_rate(dataset: AugmentedImages, processes: int, per_process: int = 1_000) -> float:
-    """Samples/s of the bare per-image work in ``processes`` plain processes: what the machine can give."""
+def raw_rate(dataset: AugmentedImages, processes: int, per_process: int = 1_000) -> tuple[float, float]:
+    """Samples/s of the bare per-image work in ``processes`` plain processes (what the machine can
+    give), and its CPU seconds per sample."""
     context = multiprocessing.get_context("fork")
     rates = context.Queue()
     workers = [
@@ -148,7 +182,8 @@ def raw_rate(dataset: AugmentedImages, processes: int, per_process: int = 1_000)
         w.start()
     for w in workers:
         w.join()
-    return sum(rates.get() for _ in workers)
+    done = [rates.get() for _ in workers]
+    return sum(rate for rate, _ in done), statistics.mean(cpu for _, cpu in done)
 
 
 def tf_data(folder: Path, batch: int, step_seconds: float) -> dict[str, Any]:
@@ -161,8 +196,57 @@ def tf_data(folder: Path, batch: int, step_seconds: float) -> dict[str, Any]:
     if done.returncode:
         return {"name": "tf.data", "skipped": f"tf.data run failed: {done.stderr.strip().splitlines()[-1:]}"}
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(f"  {'tf.data map(AUTOTUNE) + prefetch(AUTOTUNE)':<44} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step")
+    print(
+        f"  {result['name']:<48} {result['samples_per_sec']:8,.0f} samples/s   {result['step_ms']:6.1f} ms/step"
+        f"   CPU {result['cpu_ms_per_batch']:5.1f} ms/batch"
+    )
     return result
+
+
+def copied(make: Callable[[], ld.PipelineLoader]) -> Callable[[], Iterable[Any]]:
+    """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
+
+    def make_copied() -> Iterable[Any]:
+        loader = make()
+        with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
+            loader._workers = loader._start_workers()
+        return loader
+
+    return make_copied
+
+
+def _as_is(sample: Any) -> Any:
+    return sample
+
+
+def machinery(batch: int, cores: int, batches: int = 60, rounds: int = 3) -> dict[str, float]:
+    """CPU ms per batch the process contenders spend besides the per-image work: the same loaders
+    over images already in memory, with nothing to do per image (least of ``rounds`` epochs).
+    Short and CPU-timed, so it holds on a busy machine; at the balanced step a pipeline needs
+    (bare work + this) / cores per step."""
+    images, labels = torch.randn(batches * batch, 3, CROP, CROP), torch.arange(batches * batch) % CLASSES
+    pipeline = ld.from_tensors(images, labels).shuffle(seed=0).map(_as_is, num_parallel=cores, method="process")
+    made = pipeline.batch(batch).prefetch().loader
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    makers: dict[str, Callable[[], Iterable[Any]]] = {
+        f"loom map(num_parallel={cores}) processes + prefetch": made,
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": copied(made),
+        f"DataLoader(num_workers={cores}, prefetch_factor=2)": lambda: torch.utils.data.DataLoader(
+            dataset, batch, shuffle=True, num_workers=cores, prefetch_factor=2, persistent_workers=True
+        ),
+    }
+    costs = {}
+    for name, make in makers.items():
+        loader = make()
+        timed_epoch(loader, 0.0)
+        spent = []
+        for _ in range(rounds):
+            used = cpu_seconds()
+            timed_epoch(loader, 0.0)
+            spent.append((cpu_seconds() - used) / batches * 1e3)
+        costs[name] = min(spent)
+        del loader  # its workers end before the next contender's are timed
+    return costs
 
 
 def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], Iterable[Any]]]:
@@ -172,17 +256,6 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
     def loom(num_parallel: int | None, method: str = "thread", prefetch: bool = False) -> Callable[[], Iterable[Any]]:
         pipeline = images.map(augment, num_parallel=num_parallel, method=method).batch(batch)
         return (pipeline.prefetch() if prefetch else pipeline).loader
-
-    def loom_copied(num_parallel: int) -> Callable[[], Iterable[Any]]:
-        """Process workers + prefetch as before shared batch buffers: each batch crosses in a new shared-memory file."""
-
-        def make() -> Iterable[Any]:
-            loader = loom(num_parallel, "process", True)()
-            with unittest.mock.patch.object(runner, "BatchBuffers", lambda count: None):
-                loader._workers = loader._start_workers()
-            return loader
-
-        return make
 
     def dataloader(factor: int) -> Callable[[], Iterable[Any]]:
         return lambda: torch.utils.data.DataLoader(
@@ -195,7 +268,7 @@ def contenders(folder: Path, batch: int, cores: int) -> dict[str, Callable[[], I
         f"loom map(num_parallel={cores}) threads + prefetch": loom(cores, prefetch=True),
         f"loom map(num_parallel={cores}) processes": loom(cores, "process"),
         f"loom map(num_parallel={cores}) processes + prefetch": loom(cores, "process", True),
-        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": loom_copied(cores),
+        f"loom map(num_parallel={cores}) processes + prefetch, batches copied (no shared buffers)": copied(loom(cores, "process", True)),
         **{f"DataLoader(num_workers={cores}, prefetch_factor={f})": dataloader(f) for f in (2, 4, 8)},
     }
 
@@ -239,10 +312,13 @@ def main() -> None:
 
     dataset = AugmentedImages(folder)
     rates: dict[int, list[float]] = {1: [], cores: []}
+    bare_cpu: list[float] = []  # seconds per sample
 
     def bare() -> None:
         for processes in rates:
-            rates[processes].append(raw_rate(dataset, processes))
+            rate, cpu = raw_rate(dataset, processes)
+            rates[processes].append(rate)
+            bare_cpu.append(cpu)
 
     for _ in range(2):
         bare()
@@ -258,19 +334,32 @@ def main() -> None:
         one, many = statistics.median(rates[1]), statistics.median(rates[cores])
         input_seconds, parallel_seconds = args.batch / one, args.batch / many
         ideal, nominal = max(parallel_seconds, step), max(input_seconds / cores, step)
+        bare_batch_cpu = statistics.median(bare_cpu) * args.batch
         print(f"  bare per-image work: {one:,.0f} samples/s in 1 process, {many:,.0f} in {cores} ({many / one:.2f}x)")
         print(f"  ideal step max(input / parallelism, step): {ideal * 1e3:.1f} ms with the measured parallelism, {nominal * 1e3:.1f} ms with {cores}")
+        print(f"  bare work's CPU: {bare_batch_cpu * 1e3:.1f} ms per batch; on idle cores max(CPU / {cores}, step) is {max(bare_batch_cpu / cores, step) * 1e3:.1f} ms")
         timed = [r for r in results if "samples_per_sec" in r]
         best = {kind: max((r for r in timed if r["name"].startswith(kind)), key=lambda r: r["samples_per_sec"]) for kind in ("loom", "DataLoader")}
         ratio = best["loom"]["samples_per_sec"] / best["DataLoader"]["samples_per_sec"]
         best_prefetched = min((r for r in timed if r["name"].startswith("loom") and "prefetch" in r["name"] and "copied" not in r["name"]), key=lambda r: r["step_ms"])
         off_ideal, off_nominal = best_prefetched["step_ms"] / (ideal * 1e3), best_prefetched["step_ms"] / (nominal * 1e3)
+        for r in timed:
+            if "cpu_ms_per_batch" in r:
+                r["cpu_over_bare"] = r["cpu_ms_per_batch"] / (bare_batch_cpu * 1e3)
+                r["idle_cores_step_ms"] = max(r["cpu_ms_per_batch"] / cores, step * 1e3)
+        idle_ideal = max(bare_batch_cpu / cores, step) * 1e3
+        off_idle = best_prefetched["idle_cores_step_ms"] / idle_ideal
         print(f"  best loom / best DataLoader: {ratio:.3f}x  ({best['loom']['name']} vs {best['DataLoader']['name']})")
         print(f"  best prefetched loom step / ideal: {off_ideal:.3f} (measured parallelism), {off_nominal:.3f} (nominal); target <= 1.05")
+        print("  CPU per batch / bare work's: " + ", ".join(f"{r['name']} {r['cpu_over_bare']:.3f}" for r in timed if "cpu_over_bare" in r))
+        print(f"  {best_prefetched['name']}: step on idle cores / ideal there: {off_idle:.3f}")
         runs.append({
             "step_ms": step * 1e3,
             "bare_samples_per_sec": {"1": one, str(cores): many},
             "input_ms_per_batch": input_seconds * 1e3,
+            "bare_cpu_ms_per_batch": bare_batch_cpu * 1e3,
+            "idle_cores_ideal_step_ms": idle_ideal,
+            "prefetched_idle_cores_step_vs_ideal": off_idle,
             "ideal_step_ms": ideal * 1e3,
             "nominal_ideal_step_ms": nominal * 1e3,
             "ideal_samples_per_sec": args.batch / ideal,
@@ -279,7 +368,17 @@ def main() -> None:
             "prefetched_step_vs_nominal_ideal": off_nominal,
             "results": results,
         })
-    summary = {"images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs}
+    print("\nwhat the process contenders add per batch (CPU, images in memory, nothing to do per image):")
+    added = machinery(args.batch, cores)
+    balanced = runs[-1]
+    for name, cost in added.items():
+        projected = (balanced["bare_cpu_ms_per_batch"] + cost) / balanced["bare_cpu_ms_per_batch"]
+        balanced.setdefault("balanced_on_idle_cores_vs_ideal", {})[name] = projected
+        print(f"  {name:<48} {cost:5.2f} ms/batch: at the balanced step on idle cores, (bare + that) / bare = {projected:.3f}")
+    summary = {
+        "images": images, "batch": args.batch, "cores": cores, "rounds": args.rounds, "runs": runs,
+        "machinery_cpu_ms_per_batch": added,
+    }
     name = "input_pipeline" if not (args.only or args.balanced) else "input_pipeline_some"  # a partial run keeps the full one
     print(f"\nsaved {save(name, summary)}")
     plot(summary, RESULTS / f"{name}.png")

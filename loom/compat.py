@@ -174,3 +174,10 @@ def stop_checkpoint_process(timeout: float = 10.0) -> None:
 def storage_use_count(storage: torch.UntypedStorage) -> int:
     """How many tensors, storages and NumPy arrays of this process hold ``storage``'s memory."""
     return torch._C._storage_Use_Count(storage._cdata)
+
+
+def collate_stacking(batch: list[Any], stack: Callable[..., torch.Tensor]) -> Any:
+    """``default_collate`` with its tensors stacked by ``stack`` (torch's ``collate_fn_map`` hook)."""
+    from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+    return collate(batch, collate_fn_map={**default_collate_fn_map, torch.Tensor: stack})

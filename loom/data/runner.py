@@ -10,6 +10,7 @@ copy to the device is issued one batch ahead, without blocking.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -45,8 +46,7 @@ class _Result:
     seconds: list[float] = field(default_factory=list)  # read, each map, collate
     skipped: list[DataFileError] = field(default_factory=list)
     error: DataFileError | None = None
-    buffer: int | None = None  # the shared buffer the task was given (``data`` lies in it if it fitted)
-    in_buffer: bool = False
+    buffer: int | None = None  # the shared buffer the task was given (``data``'s tensors lie in it)
 
 
 class _BatchWorker:
@@ -57,7 +57,7 @@ class _BatchWorker:
         source: Source,
         maps: tuple[MapStage, ...],
         cache_after: int | None,
-        collate: Callable[[list[Any]], Any] | None,
+        collate: Callable[[list[Any]], Any],
         seeded: bool,
     ) -> None:
         self.source = source
@@ -67,14 +67,15 @@ class _BatchWorker:
         self.seeded = seeded
         self.cache: dict[tuple[int, int], Any] = {}  # shared by threads; process workers refuse cache()
 
-    def __call__(self, chunk: Chunk) -> _Result:
-        """The batch's work under its own seed where the global generators are this worker's alone."""
+    def __call__(self, chunk: Chunk, collate: Callable[[list[Any]], Any] | None = None) -> _Result:
+        """The batch's work under its own seed where the global generators are this worker's alone;
+        ``collate`` in place of the pipeline's (one that builds the batch in a shared buffer)."""
         if not self.seeded:
-            return self._run(chunk)
+            return self._run(chunk, collate or self.collate)
         with seeded(chunk.seed):
-            return self._run(chunk)
+            return self._run(chunk, collate or self.collate)
 
-    def _run(self, chunk: Chunk) -> _Result:
+    def _run(self, chunk: Chunk, collate: Callable[[list[Any]], Any]) -> _Result:
         """Stage by stage over the whole batch: two clock readings per stage, not per element."""
         seconds = [0.0] * (len(self.maps) + 2)
         elements: list[list[Any]] = []  # [address, value, index of the first map still to apply]
@@ -104,8 +105,7 @@ class _BatchWorker:
             seconds[i + 1] = time.perf_counter() - start
         self._fill_cache(elements, len(self.maps))
         start = time.perf_counter()
-        values = [element[1] for element in elements]
-        data = self.collate(values) if self.collate is not None else values[0]
+        data = collate([element[1] for element in elements])
         seconds[-1] = time.perf_counter() - start
         return _Result(data, valid, seconds, skipped)
 
@@ -155,7 +155,7 @@ class PipelineLoader:
         self.workers = _parallelism(pipeline.num_parallel)
         if pipeline.cache_after is not None and pipeline.method == "process" and self.workers:
             raise ValueError("cache() needs thread workers: process workers do not share a cache; use method='thread'")
-        collate = (pipeline.collate_fn or default_collate) if self.batched else None
+        collate = (pipeline.collate_fn or default_collate) if self.batched else _first
         # Thread workers share the process's generators: only processes (or no workers) seed per batch.
         own_generators = pipeline.method == "process" or not self.workers
         self._worker = _BatchWorker(source, pipeline.maps, pipeline.cache_after, collate, own_generators)
@@ -265,10 +265,7 @@ class PipelineLoader:
         for result in self._workers:
             got = time.perf_counter()
             if result.buffer is not None and self._buffers is not None:
-                if result.in_buffer:
-                    result.data = self._buffers.read(result.buffer, result.data)
-                else:
-                    self._buffers.release(result.buffer)
+                result.data = self._buffers.read(result.buffer, result.data)
             if result.error is not None:
                 raise result.error
             self.stats.record_batch(result.seconds, got - waited_since)
@@ -379,10 +376,9 @@ class _Tasks(Dataset):
 
     def __getitem__(self, task: tuple[Chunk, int | None]) -> _Result:  # type: ignore[override]
         chunk, buffer = task
-        result = self.worker(chunk)
-        if buffer is not None and self.buffers is not None and result.data is not None:
-            data = self.buffers.write(buffer, result.data)
-            result.data, result.in_buffer = data, data is not result.data
+        if buffer is None or self.buffers is None:
+            return self.worker(chunk)
+        result = self.worker(chunk, functools.partial(self.buffers.collate, buffer, self.worker.collate))
         result.buffer = buffer
         return result
 
@@ -394,6 +390,11 @@ def _yield_to_training(worker_id: int) -> None:
 
 def _as_is(result: _Result) -> _Result:
     return result
+
+
+def _first(values: list[Any]) -> Any:
+    """An unbatched pipeline's "collation": its one element."""
+    return values[0]
 
 
 def _parallelism(num_parallel: int | str | None) -> int:

@@ -1,21 +1,25 @@
-"""Shared-memory buffers that process workers write batches into, handed to the training loop as is.
+"""Shared-memory buffers that process workers build batches in, handed to the training loop as is.
 
 A batch a ``DataLoader`` worker returns crosses into the training process through a new
-shared-memory file each time: created and filled in the worker, its descriptor sent over a
-socket, mapped and faulted in here, unmapped once dropped (1.3 ms per 1.5 MB batch). Here a
-few buffers are made once, before the workers start, and each task names the buffer its
-batch goes into; the training loop gets tensors that are views of that buffer. A buffer is
-given to a new task only once nothing in this process holds its memory any more (no tensor,
-view or NumPy array of the batch), so a batch the loop still holds is never overwritten.
-Tasks that find every buffer held, and batches too large for one, travel the usual way.
+shared-memory file each time: ``default_collate`` creates and fills it in the worker, its
+descriptor is sent over a socket, mapped and faulted in here, unmapped once dropped (1.3 ms
+per 1.5 MB batch, and 3 ms of the worker's collation). Here a few buffers are made once, before
+the workers start, and each task names the buffer its batch goes into: ``default_collate``
+stacks the samples straight into it (another collate's output is copied in), and the training
+loop gets tensors that are views of that buffer. A buffer is given to a new task only once
+nothing in this process holds its memory any more (no tensor, view or NumPy array of the
+batch), so a batch the loop still holds is never overwritten. Tasks that find every buffer
+held, and tensors that do not fit, travel the usual way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
+from torch.utils.data import default_collate
 
 from loom import compat
 
@@ -48,55 +52,64 @@ class BatchBuffers:
                 return index
         return None
 
-    def write(self, index: int, data: Any) -> Any:
-        """In a worker: ``data`` with its tensors copied into buffer ``index`` and replaced by
-        ``InBuffer``; ``data`` unchanged if its tensors do not fit."""
-        tensors: list[torch.Tensor] = []
-        _leaves(data, tensors)
-        end, places = 0, []
-        for tensor in tensors:
-            end = -(-end // ALIGN) * ALIGN
-            places.append(end)
-            end += tensor.numel() * tensor.element_size()
-        if end > self.capacity or any(t.device.type != "cpu" for t in tensors):
-            return data
-        where = iter(places)
-
-        def put(tensor: torch.Tensor) -> InBuffer:
-            place = InBuffer(next(where), tensor.dtype, tuple(tensor.shape))
-            self._view(index, place).copy_(tensor)
-            return place
-
-        return _replace(data, put)
+    def collate(self, index: int, collate_fn: Callable[[list[Any]], Any], values: list[Any]) -> Any:
+        """In a worker: ``collate_fn(values)`` with its tensors in buffer ``index``, each replaced
+        by an ``InBuffer``; tensors that do not fit stay as they are."""
+        space = _Space(self, index)
+        data = compat.collate_stacking(values, space.stack) if collate_fn is default_collate else collate_fn(values)
+        return _replace(data, space.place)
 
     def read(self, index: int, data: Any) -> Any:
-        """Here: the batch as tensors that are views of buffer ``index``; the buffer is reusable
-        once they are all gone."""
+        """Here: the batch with views of buffer ``index`` for its ``InBuffer``s; the buffer is
+        reusable once they are all gone (at once if the task's batch failed or travelled apart)."""
         self.in_flight.discard(index)
-        return _replace(data, lambda place: self._view(index, place), InBuffer)
+        return _replace(data, lambda place: self.view(index, place), InBuffer)
 
-    def release(self, index: int) -> None:
-        """A task's buffer that came back unused (its batch failed or travelled the usual way)."""
-        self.in_flight.discard(index)
-
-    def _view(self, index: int, place: InBuffer) -> torch.Tensor:
+    def view(self, index: int, place: InBuffer) -> torch.Tensor:
         size = place.dtype.itemsize
         return torch.empty(0, dtype=place.dtype).set_(self.storages[index], place.offset // size, place.shape)
 
 
-def _leaves(data: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(data, torch.Tensor):
-        out.append(data)
-    elif isinstance(data, (list, tuple)):
-        for item in data:
-            _leaves(item, out)
-    elif isinstance(data, dict):
-        for item in data.values():
-            _leaves(item, out)
+class _Space:
+    """One task's use of its buffer: tensors laid one after another, each on a cache line."""
+
+    def __init__(self, buffers: BatchBuffers, index: int) -> None:
+        self.buffers = buffers
+        self.index = index
+        self.start = buffers.storages[index].data_ptr()
+        self.end = 0
+
+    def take(self, tensor: torch.Tensor, shape: tuple[int, ...]) -> InBuffer | None:
+        """Room for a tensor of ``tensor``'s type and ``shape``, or None (full, or not a CPU tensor)."""
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            return None
+        offset = -(-self.end // ALIGN) * ALIGN
+        end = offset + math.prod(shape) * tensor.element_size()
+        if end > self.buffers.capacity:
+            return None
+        self.end = end
+        return InBuffer(offset, tensor.dtype, shape)
+
+    def stack(self, batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
+        """``default_collate``'s stacking of tensors, into the buffer where they fit."""
+        place = self.take(batch[0], (len(batch), *batch[0].shape))
+        if place is None:
+            return default_collate(batch)
+        return torch.stack(batch, out=self.buffers.view(self.index, place))
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor | InBuffer:
+        """Where ``tensor`` lies in the buffer, copied in first unless stacked there."""
+        if tensor.untyped_storage().data_ptr() == self.start and tensor.is_contiguous():
+            return InBuffer(tensor.data_ptr() - self.start, tensor.dtype, tuple(tensor.shape))
+        place = self.take(tensor, tuple(tensor.shape))
+        if place is None:
+            return tensor
+        self.buffers.view(self.index, place).copy_(tensor)
+        return place
 
 
 def _replace(data: Any, fn: Any, kind: type = torch.Tensor) -> Any:
-    """``data`` with each leaf of type ``kind`` replaced by ``fn(leaf)``, in the order ``_leaves`` visits."""
+    """``data`` with each leaf of type ``kind`` replaced by ``fn(leaf)``."""
     if isinstance(data, kind):
         return fn(data)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # a named tuple

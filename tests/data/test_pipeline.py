@@ -359,3 +359,25 @@ def test_process_batches_arrive_in_shared_buffers_that_are_not_reused_while_held
     del held, images, labels
     reused = [buffer_of(batch) for batch in loader]  # each dropped before the next: buffers go round
     assert None not in reused and len(set(reused)) < len(reused)
+
+
+def test_batches_are_built_in_their_buffer_and_what_does_not_fit_travels_as_is(monkeypatch):
+    """default_collate stacks into the buffer, another collate's output is copied in; a tensor
+    with no room left stays a tensor, and reading gives back the same batch either way."""
+    from loom.data.shared_batches import BatchBuffers, InBuffer
+
+    stacked_into, stack = [], torch.stack
+    monkeypatch.setattr(torch, "stack", lambda *a, out=None: stacked_into.append(out is not None and out.data_ptr()) or stack(*a, out=out))
+
+    samples = [(torch.full((2, 3), float(i)), i) for i in range(4)]
+    expected = torch.utils.data.default_collate(samples)
+    roomy, tight = BatchBuffers(1, capacity=1024), BatchBuffers(1, capacity=64)  # tight: the labels only
+    for buffers, kinds in ((roomy, [InBuffer, InBuffer]), (tight, [torch.Tensor, InBuffer])):
+        for collate in (torch.utils.data.default_collate, lambda values: torch.utils.data.default_collate(values)):
+            placed = buffers.collate(0, collate, samples)
+            assert [type(x) for x in placed] == kinds, (buffers.capacity, placed)
+            images, labels = buffers.read(0, placed)
+            assert torch.equal(images, expected[0]) and torch.equal(labels, expected[1])
+            assert labels.untyped_storage().data_ptr() == buffers.storages[0].data_ptr()
+    assert roomy.storages[0].data_ptr() in stacked_into  # default_collate's images, with room: in place, no copy
+    assert tight.storages[0].data_ptr() not in stacked_into
