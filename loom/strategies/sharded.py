@@ -19,6 +19,7 @@ from functools import cached_property
 from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -31,6 +32,7 @@ from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
+from loom.strategies.fsdp_comms import use_fast_reduce_scatter
 from loom.strategies.precision import DTYPES, Precision
 
 Init = Callable[[nn.Module], None]
@@ -67,6 +69,8 @@ def shard_model(
         if block is not module:
             fully_shard(block, mp_policy=inner, **options)
     fully_shard(module, mp_policy=policy, **options)
+    group = mesh.get_group(mesh.ndim - 1) if mesh is not None else dist.group.WORLD  # the dimension FSDP shards over
+    use_fast_reduce_scatter([*targets, module], group)
     return module
 
 
