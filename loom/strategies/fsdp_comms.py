@@ -4,7 +4,7 @@ Gloo's own ``reduce_scatter_single`` took twice the time of an all-reduce of the
 (bench/sharded.py's collective timings). An all-to-all sends each replica only the chunk it
 keeps, as an ideal reduce-scatter does, and gloo runs it at the speed of an all-gather;
 each replica then sums the chunks it received. Measured on 1 and 8 MiB of gradients, at 2
-and 4 processes: 0.4-0.5x the time of gloo's reduce-scatter, and 0.6-0.9x its CPU.
+and 4 processes: 0.3-0.5x the time of gloo's reduce-scatter, and 0.5-0.6x its CPU.
 """
 
 from __future__ import annotations
