@@ -2,7 +2,9 @@
 
 Sharded runs twice: as it comes (gathering each block again for backward) and with
 ``reshard_after_forward=False`` (keeping it gathered from forward to backward). The times of
-the collectives each strategy uses are measured too: on gloo, what sets their ratio.
+the collectives each strategy uses are measured too: on gloo, what sets their ratio. So is
+each process's CPU time a step (all its threads, gloo's included): on a machine whose cores
+are all busy, throughput follows it, and unlike wall time it barely moves with the load.
 
 Two models of stacked 1024-wide (or 512-wide) linear blocks trained with AdamW, on 2 and 4
 processes of one thread each: one whose parameters, gradients and Adam state (16 bytes a
@@ -10,6 +12,9 @@ parameter) fit in a process's memory budget, and one that fits only sharded. The
 simulated (``--budget-mb``): each process's peak resident memory added by building the
 model and taking the steps is measured and compared with it. Peaks are taken with malloc's
 mmap threshold fixed at 1 MiB, so freed tensors leave the resident size.
+
+"Raw fully_shard" is FSDP2 as its tutorial writes it, with gloo's own reduce-scatter; Sharded
+reduce-scatters by all-to-all on gloo (loom/strategies/fsdp_comms.py).
 
     python bench/sharded.py [--replicas 2 4] [--steps 5] [--budget-mb 256]
 """
@@ -100,15 +105,22 @@ def measure(kind: str, blocks: int, width: int, steps: int) -> dict[str, float]:
     for _ in range(2):
         step(x)  # warm-up: optimizer state created, buffers allocated
     dist.barrier()
-    seconds = []
+    seconds, cpu = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         step(x)
+        cpu.append(time.process_time() - start_cpu)
         dist.barrier()
         seconds.append(time.perf_counter() - start)
     peak = torch.tensor([_peak_mb() - baseline])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return {"peak_mb": peak.item(), "samples_per_sec": PER_REPLICA_BATCH * dist.get_world_size() / statistics.median(seconds)}
+    cpu_ms = torch.tensor([statistics.median(cpu) * 1000])
+    dist.all_reduce(cpu_ms, op=dist.ReduceOp.AVG)
+    return {
+        "peak_mb": peak.item(),
+        "samples_per_sec": PER_REPLICA_BATCH * dist.get_world_size() / statistics.median(seconds),
+        "cpu_ms_per_step": cpu_ms.item(),  # one process's, averaged over the processes
+    }
 
 
 def worker(out: str, steps: int) -> None:
@@ -127,13 +139,17 @@ def worker(out: str, steps: int) -> None:
 
 def collectives(model: tuple[int, int]) -> dict[str, float]:
     """Milliseconds of each collective on the fits model's parameters: what one step of each strategy moves."""
+    from loom.strategies.fsdp_comms import AllToAllReduceScatter
+
+    reduce_scatter = AllToAllReduceScatter()
     blocks, width = model
     full = torch.zeros(blocks * (width * width + width))
     shard = torch.zeros(full.numel() // dist.get_world_size())
     ops = {
         "all_reduce (Mirrored, once a step)": lambda: dist.all_reduce(full),
         "all_gather (Sharded, twice a step)": lambda: dist.all_gather_single(full[: shard.numel() * dist.get_world_size()], shard),
-        "reduce_scatter (Sharded, once a step)": lambda: dist.reduce_scatter_single(shard, full[: shard.numel() * dist.get_world_size()]),
+        "reduce_scatter (gloo's, raw fully_shard)": lambda: dist.reduce_scatter_single(shard, full[: shard.numel() * dist.get_world_size()]),
+        "reduce_scatter by all_to_all (Sharded, once a step)": lambda: reduce_scatter(shard, full[: shard.numel() * dist.get_world_size()], dist.group.WORLD, dist.ReduceOp.AVG),
     }
     found = {}
     for name, op in ops.items():
@@ -185,15 +201,19 @@ def main() -> None:
         print(f"{n} processes, collectives on the fits model's parameters: " + ", ".join(f"{k} {v:.0f} ms" for k, v in collective_ms.items()))
         for key, found in runs.items():
             found["fits_budget"] = found["peak_mb"] <= args.budget_mb
-            print(f"{n} processes, {key}: {found['samples_per_sec']:,.0f} samples/s, peak {found['peak_mb']:.0f} MiB per process"
+            print(f"{n} processes, {key}: {found['samples_per_sec']:,.0f} samples/s, {found['cpu_ms_per_step']:.0f} ms CPU a step,"
+                  f" peak {found['peak_mb']:.0f} MiB per process"
                   f" ({'within' if found['fits_budget'] else 'OVER'} the {args.budget_mb:.0f} MiB budget)", flush=True)  # fmt: skip
         results["runs"][str(n)] = runs
         results.setdefault("collectives_ms", {})[str(n)] = collective_ms
-        fits = runs["fits/sharded"]["samples_per_sec"] / runs["fits/mirrored"]["samples_per_sec"]
-        raw = runs["fits/sharded"]["samples_per_sec"] / runs["fits/raw fully_shard"]["samples_per_sec"]
-        results.setdefault("sharded_over_mirrored_where_both_fit", {})[str(n)] = fits
-        results.setdefault("sharded_over_raw_fully_shard", {})[str(n)] = raw
-        print(f"{n} processes: Sharded {fits:.2f}x Mirrored's throughput where both fit (target >= 0.9x); {raw:.2f}x raw fully_shard")
+        speed = {kind: runs[f"fits/{kind}"]["samples_per_sec"] for kind in KINDS}
+        cpu = {kind: runs[f"fits/{kind}"]["cpu_ms_per_step"] for kind in KINDS}
+        for kind in ("sharded", "sharded, no reshard"):
+            fits, raw = speed[kind] / speed["mirrored"], speed[kind] / speed["raw fully_shard"]
+            results.setdefault(f"{kind}_over_mirrored_where_both_fit", {})[str(n)] = fits
+            results.setdefault(f"{kind}_over_raw_fully_shard", {})[str(n)] = raw
+            print(f"{n} processes: {kind} {fits:.2f}x Mirrored's throughput where both fit (target >= 0.9x), "
+                  f"{cpu[kind] / cpu['mirrored']:.2f}x its CPU a step; {raw:.2f}x raw fully_shard")
     path = save("sharded", results)
     plot(results, RESULTS / "sharded.png")
     print(f"saved {path} and {RESULTS / 'sharded.png'}")

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
 
 import loom
 from examples.gpt_model import GPT
@@ -43,15 +45,75 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"dir": directory, "weights": model.state_dict(), "norms": norms, "initial": initial, "exp_avg": exp_avg}
 
 
+class Uneven(nn.Module):
+    """Rows that two replicas cannot split evenly: FSDP pads 7 to 8, and the head's one row leaves a replica nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(7, 7) for _ in range(2))
+        self.head = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x)
+
+
+def uneven_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(6, 7, generator=generator), torch.randn(6, 1, generator=generator)
+
+
+def uneven_gradients() -> dict[str, Any]:
+    """One backward of ``Uneven`` on this replica's half of the batch: the gradients, gathered, and the collectives it ran."""
+    strategy = loom.ShardedStrategy(timeout=60)
+    torch.manual_seed(0)
+    model = strategy.prepare(Uneven())
+    x, y = (t.chunk(2)[strategy.replica_id] for t in uneven_batch())
+    calls = {"all_to_all_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in calls}
+
+    def counted(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        setattr(dist, name, counted(name))
+    try:
+        ((model(x) - y) ** 2).mean().backward()
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+    return {"grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}, "calls": calls}
+
+
+def two_ranks(directory: Path) -> dict[str, Any]:
+    return {**sharded_ranks.two_ranks(directory), "uneven": uneven_gradients()}
+
+
 @pytest.fixture(scope="session")
 def sharded(one_device: dict[str, Any]) -> list[dict[str, Any]]:
-    return run_ranks(sharded_ranks.two_ranks, 2, one_device["dir"], timeout=240)
+    return run_ranks(two_ranks, 2, one_device["dir"], timeout=240)
 
 
 def test_ten_adamw_steps_of_the_gpt_equal_one_device(sharded, one_device):
     assert max_difference(one_device["weights"], one_device["initial"]) > 1e-3  # equality is not "nothing moved"
     for replica in sharded:
         assert max_difference(replica["weights"], one_device["weights"]) <= TOLERANCE
+
+
+def test_on_gloo_gradients_are_reduce_scattered_by_all_to_all_and_equal_one_device_s_with_padding(sharded):
+    torch.manual_seed(0)
+    model = Uneven()
+    x, y = uneven_batch()
+    ((model(x) - y) ** 2).mean().backward()
+    for replica in sharded:
+        found = replica["uneven"]
+        assert found["calls"] == {"all_to_all_single": 3, "reduce_scatter_single": 0}  # both blocks and the root (the head)
+        assert max_difference(found["grads"], {n: p.grad for n, p in model.named_parameters()}) <= 1e-6
 
 
 def test_clipping_uses_the_global_norm_over_the_shards(sharded, one_device):
