@@ -9,8 +9,9 @@ same processes, in interleaved blocks of steps (order rotating per round):
 - ``fast path fp32``: ``prepare(..., fast_path=[...], example_input=x)``, whose one line is kept;
 - ``bf16-mixed + fast path``: the same under ``precision="bf16-mixed"``.
 
-TensorFlow 2.21's fp32 figures are issue 15's table (MultiWorkerMirrored, taken on this machine
-by ``make bench-tf``'s environment); they are not re-measured here. ``torch.compile`` is a
+TensorFlow 2.21 fp32 (``bench/peers/tf_peer.py``, MultiWorkerMirrored with as many workers as
+loom has processes and as many intra-op threads each) runs in the same run, just before and just
+after each loom job, when ``.venv-tf`` exists (``make bench-tf``); else issue 15's figures stand in. ``torch.compile`` is a
 candidate only with ``--compile`` (its compile time on this 2-core machine is minutes). A
 ``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes.
 """
@@ -35,9 +36,11 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+from bench.peers.run import launch, missing  # noqa: E402
 from bench.workloads import RESULTS, WORKLOADS, endless, machine, save  # noqa: E402
 
-TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table
+TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table: used when TF is missing
+TF_STEPS = {"W1": 20, "W2": 10}
 CONTENDERS = ("eager fp32", "fast path fp32", "bf16-mixed + fast path")
 
 
@@ -120,20 +123,29 @@ def main() -> None:
     candidates = ["channels_last", "compile"] if args.compile else ["channels_last"]
     if args.worker:
         return worker(args.rounds, args.steps, candidates, args.out)
-    results: dict = {"machine": machine(), "candidates": candidates, "tf_fp32": {f"{w} {n}": v for (w, n), v in TF_FP32.items()},
-                     "note": "2-core machine shared with other jobs: figures taken under load", "runs": {}}  # fmt: skip
+    no_tf = missing("tensorflow")
+    tf_fp32: dict[tuple[str, int], float] = dict(TF_FP32) if no_tf else {}
+    print(f"TensorFlow not measured ({no_tf}); issue 15's figures stand in" if no_tf else "TensorFlow measured in this run")
+    results: dict = {"machine": machine(), "candidates": candidates, "tf_measured_here": not no_tf, "load_average": os.getloadavg(), "runs": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in args.nproc:
+            tf_rates: dict[str, list[float]] = {name: [] for name in WORKLOADS}
             out = Path(tmp) / f"{nproc}.json"
+            if not no_tf:
+                _measure_tf(tf_rates, nproc, Path(tmp))
             command = [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", __file__, "--worker",
                        "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(out), *(["--compile"] if args.compile else [])]  # fmt: skip
             done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"--nproc {nproc} failed: {done.stderr[-3000:]}")
             results["runs"][str(nproc)] = json.loads(out.read_text())
+            if not no_tf:
+                _measure_tf(tf_rates, nproc, Path(tmp))
+                tf_fp32.update({(name, nproc): statistics.median(rates) for name, rates in tf_rates.items()})
+    results["tf_fp32"] = {f"{w} {n}": v for (w, n), v in tf_fp32.items()}
     for nproc, run in results["runs"].items():
         for name in WORKLOADS:
-            tf = TF_FP32.get((name, int(nproc)))
+            tf = tf_fp32.get((name, int(nproc)))
             for contender, row in run[name].items():
                 row["vs_tf_fp32"] = row["samples_per_sec"] / tf if tf else None
                 versus = f"{row['vs_tf_fp32']:.2f}x TF fp32" if tf else "(no TF figure)"
@@ -141,10 +153,17 @@ def main() -> None:
     for layout, table in results["runs"].get("1", {}).get("profile", {}).items():
         print(f"W2 fp32 step, {layout}: " + ", ".join(f"{k} {ms:.0f} ms" for k, ms in table[:5]))
     print(f"saved {save('fast_path', results)}")
-    plot(results, RESULTS / "fast_path.png")
+    plot(results, tf_fp32, RESULTS / "fast_path.png")
 
 
-def plot(results: dict, path: Path) -> None:
+def _measure_tf(rates: dict[str, list[float]], nproc: int, tmp: Path) -> None:
+    """One TensorFlow run of each workload on ``nproc`` workers sharing the cores as loom's processes do."""
+    threads = max(1, (os.cpu_count() or 1) // nproc)
+    for name in rates:
+        rates[name].append(launch("tensorflow", name, TF_STEPS[name], tmp / f"tf-{name}-{nproc}.json", tf_workers=nproc, tf_threads=threads))
+
+
+def plot(results: dict, tf_fp32: dict[tuple[str, int], float], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -155,10 +174,11 @@ def plot(results: dict, path: Path) -> None:
     width = 0.2
     for i, contender in enumerate(CONTENDERS):
         axis.bar([g + i * width for g in range(len(groups))], [results["runs"][n][w][contender]["samples_per_sec"] for w, n in groups], width, label=contender)
-    tf = [TF_FP32.get((w, int(n)), 0) for w, n in groups]
-    axis.bar([g + 3 * width for g in range(len(groups))], tf, width, label="TF 2.21 fp32 (issue 15)", color="gray")
+    tf = [tf_fp32.get((w, int(n)), 0) for w, n in groups]
+    label = "TF 2.21 fp32 (this run)" if results["tf_measured_here"] else "TF 2.21 fp32 (issue 15)"
+    axis.bar([g + 3 * width for g in range(len(groups))], tf, width, label=label, color="gray")
     axis.set_xticks([g + 1.5 * width for g in range(len(groups))], [f"{w}, {n} proc" for w, n in groups])
-    axis.set(ylabel="samples/s", title="CPU compute fast path (2-core machine, under load)")
+    axis.set(ylabel="samples/s", title=f"CPU compute fast path (2 cores, load {results['load_average'][0]:.1f})")
     axis.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

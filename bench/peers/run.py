@@ -50,14 +50,19 @@ def missing(peer: str) -> str | None:
     return None
 
 
-def launch(peer: str, workload: str, steps: int, out: Path) -> float:
-    """Run one configuration to its end; samples/s as its chief reported them."""
+def launch(peer: str, workload: str, steps: int, out: Path, tf_workers: int = 2, tf_threads: int = 1) -> float:
+    """Run one configuration to its end; samples/s as its chief reported them.
+
+    The torch peers run 2 processes of one thread; TensorFlow runs ``tf_workers`` workers of
+    ``tf_threads`` intra-op threads each (bench/fast_path.py matches loom's processes with them).
+    """
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2", "CUDA_VISIBLE_DEVICES": ""}
     args = [workload, str(steps), str(out)]
     if peer == "tensorflow":
-        ports = [_free_port(), _free_port()]
+        env["TF_THREADS"] = str(tf_threads)
+        ports = [_free_port() for _ in range(tf_workers)]
         workers = []
-        for index in range(2):
+        for index in range(tf_workers):
             config = {"cluster": {"worker": [f"localhost:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
             workers.append(subprocess.Popen([str(TF_PYTHON), str(TF_PEER), *args], env={**env, "TF_CONFIG": json.dumps(config)},
                                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT))  # fmt: skip

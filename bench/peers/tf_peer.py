@@ -3,13 +3,14 @@
     TF_CONFIG=... .venv-tf/bin/python bench/peers/tf_peer.py WORKLOAD STEPS OUT
 
 The same layers as the torch models (Keras builds them channels-last, its default on CPU), SGD
-with momentum, cross-entropy, the same global batch, one intra-op thread per worker, trained
+with momentum, cross-entropy, the same global batch, one intra-op thread per worker (``TF_THREADS`` for more), trained
 by a custom loop (``strategy.run`` in a ``tf.function``), as TensorFlow's distributed-training
 guide shows. The chief writes samples/s over
 STEPS timed steps (after a warm-up epoch of 3) to OUT.
 """
 
 import json
+import os
 import sys
 import time
 
@@ -32,7 +33,8 @@ def build(name: str) -> tf.keras.Model:
 
 def main() -> None:
     name, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    tf.config.threading.set_intra_op_parallelism_threads(1)
+    threads = int(os.environ.get("TF_THREADS", "1"))  # intra-op threads a worker, as loom gives each process
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
     tf.config.threading.set_inter_op_parallelism_threads(1)
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     shape, global_batch = SHAPES[name]
