@@ -147,6 +147,7 @@ def test_a_worker_killed_between_its_commits_has_that_push_applied_on_every_serv
     job = async_job
     assert job.code == 0, job.stderr[-3000:]
     assert max(s for _, p, s in job.progress if p == job.died) == DIE_AT - 1  # died in step 8's push
+    assert f"worker 1 (pid {job.died}) exited with code -9; restarting it" in job.stderr  # killed between its commits
     assert f"loom: worker 1 died mid-push: push {DIE_AT - 1} of worker-1.{job.died} applied on every server (127.0.0.1:" in job.stderr
     for stats in job.servers:
         assert stats["applied"][f"worker-1.{job.died}"] == DIE_AT  # steps 1-7, and step 8's push, on both servers

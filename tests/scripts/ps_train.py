@@ -31,7 +31,7 @@ def die_mid_push(variables, marker: str) -> None:
     """The next push is staged everywhere and committed on the first server only; then SIGKILL."""
     open(marker, "w").close()
 
-    def commit_once_then_die(servers):
+    def commit_once_then_die(servers, *reads):
         variables.clients[servers[0]].call({"op": "commit", "worker": variables.worker, "seq": variables.clock})
         os.kill(os.getpid(), signal.SIGKILL)
 

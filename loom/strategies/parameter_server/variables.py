@@ -1,6 +1,6 @@
 """A worker's view of the variables spread over the servers: create, pull, push.
 
-Pulls and pushes fan out to the servers in parallel (one thread per server), each server
+Pulls and pushes go to the servers at once (every request sent, then every reply read), each server
 getting only its share: its dense parameters, and for a table the rows in its range. A push
 is staged on every server it touches before any applies it (then committed), so a worker
 that dies mid-push leaves nothing half-applied that its launcher cannot settle.
@@ -9,7 +9,6 @@ that dies mid-push leaves nothing half-applied that its launcher cannot settle.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,11 +31,10 @@ class ShardedVariables:
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
-        self._pool = ThreadPoolExecutor(max_workers=len(clients), thread_name_prefix="loom-ps")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
-        futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
-        replies = {s: f.result() for s, f in futures.items()}
+        sent = {s: self.clients[s].send(*request) for s, request in requests.items()}  # all at once, then every reply
+        replies = {s: reply.result() for s, reply in sent.items()}
         for s, (fields, _) in replies.items():
             if "version" in fields:
                 self.versions[s] = fields["version"]
@@ -231,6 +229,5 @@ class ShardedVariables:
             time.sleep(0.005)
 
     def close(self) -> None:
-        self._pool.shutdown()
         for client in self.clients:
             client.close()

@@ -117,7 +117,7 @@ def test_asynchronous_prefetch_comes_with_the_commit_after_the_push_and_a_table_
     pulled_by = _record_pulls(strategy.variables)
     ops = []
     for client in strategy.variables.clients:
-        client.call = (lambda call: lambda fields, tensors=None: ops.append(fields["op"]) or call(fields, tensors))(client.call)
+        client.send = (lambda send: lambda fields, tensors=None: ops.append(fields["op"]) or send(fields, tensors))(client.send)
     (ids, y), (after, _) = batches(2)
     strategy.prefetch(model, {"bag": after})
     F.binary_cross_entropy_with_logits(model(ids), y).backward()
