@@ -41,8 +41,7 @@ class ServerClient:
         return self.send(fields, tensors).result()
 
     def send(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Reply:
-        """Send a request without waiting for its reply: several go out at once from one thread
-        (no thread per call, whose hand-offs cost more than the call on busy cores)."""
+        """Send a request without waiting for its reply, so that one thread has several out at once."""
         request = encode(fields, tensors)
         return Reply(self, fields, request, self._call.future(request, timeout=self.deadline, metadata=((TOKEN_KEY, self.token),)))
 
