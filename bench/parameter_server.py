@@ -8,7 +8,8 @@ to train it on the same data:
 
 * loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches),
   asynchronous, and synchronous (``--sync``: each step the servers apply the workers' mean),
-  each also with ``strategy.prefetch`` (the next batch's rows pulled while the step computes);
+  each also with ``strategy.prefetch`` (the next batch's rows come in the reply to the step's
+  commit, or to the read after a synchronous round: one round trip a step fewer);
 * MirroredStrategy, all-reducing the dense 128 MB embedding gradient every step;
 * DDP with sparse embedding gradients (``EmbeddingBag(sparse=True)``; gloo all-gathers them).
 
@@ -92,7 +93,7 @@ def worker_main(method: str, steps: int, out: str) -> None:
             transport = strategy.variables.bytes_moved if method.startswith("parameter-server") else 0
         ids, y = batch(step, rank, size)
         start = time.perf_counter()
-        if prefetch:  # the next batch's rows, pulled while this step computes
+        if prefetch:  # the next batch's rows, brought by this step's commit
             strategy.prefetch(model, {"bag": batch(step + 1, rank, size)[0]})
         F.binary_cross_entropy_with_logits(model(ids), y).backward()
         time.sleep(straggle)  # the straggler: a slow machine

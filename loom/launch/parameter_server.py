@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.cluster import ParameterServerCluster, parse_endpoint
-from loom.devices import available_cores
+from loom.devices import thread_budget
 from loom.errors import LaunchError, LoomError
 
 SERVER_SAVE_SECONDS = 2.0
@@ -59,6 +59,8 @@ class JobOptions:
     Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
     directory by default); a server or worker that dies is restarted up to ``max_restarts`` times.
     ``tls_cert``/``tls_key``: PEM files for TLS (else ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY``).
+    ``threads``: CPU threads for each server and worker started here (``--threads``); by
+    default the cores divided among this machine's workers.
     """
 
     max_restarts: int = 0
@@ -67,10 +69,13 @@ class JobOptions:
     synchronous: bool = False
     tls_cert: str | None = None
     tls_key: str | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.staleness is not None and self.synchronous:
             raise LaunchError("--sync and --staleness exclude each other: synchronous workers are never stale")
+        if self.threads is not None and self.threads < 1:
+            raise LaunchError(f"--threads must be at least 1 (got {self.threads}); leave it out for cores / workers")
 
 
 def run_parameter_server_job(entry: list[str], servers: int, workers: int, options: JobOptions = JobOptions()) -> int:
@@ -110,7 +115,9 @@ class _Job:
         self.workers = workers
         self.token = token
         self.max_restarts = options.max_restarts
-        self.state_dir = Path(options.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
+        self.threads = options.threads
+        self.checkpoint_dir = options.checkpoint_dir
+        self.state_dir: Path  # made by run(), once the set-up has passed its checks
         self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
         if options.staleness is not None:
             self.env["LOOM_PS_STALENESS"] = str(options.staleness)
@@ -158,8 +165,9 @@ class _Job:
         from loom.strategies.parameter_server.transport import TLS
 
         TLS.from_env(server=bool(servers_here), env=self.env)  # a half-set or unreadable TLS set-up fails here, in one line
+        self.state_dir = Path(self.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        threads = str(max(1, available_cores() // max(1, len(workers_here))))
+        threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
         server_restarts = dict.fromkeys(serving, 0)

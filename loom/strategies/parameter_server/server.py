@@ -79,19 +79,17 @@ class ParameterServer:
             return {"created": self._create(fields["optimizer"], tensors, fields.get("generate", {}))}, {}
         if op == "ready":
             return {"ready": self.created}, {}
-        if op == "pull":
-            return {"version": self.version}, {name: self._read(name) for name in fields["names"]}
+        if op == "pull":  # dense parameters by name, and rows of tables (``ids/<table>``: ids local to this server)
+            return {"version": self.version}, self._read_many(fields["names"], tensors)
         if op == "pull_rows":
-            table = fields["table"]
-            with self._locks[table]:  # indexing by a tensor copies the rows
-                return {"version": self.version}, {"rows": self.tables[table][tensors["ids"]]}
+            return {"version": self.version}, {"rows": self._read_rows(fields["table"], tensors["ids"])}
         if op == "push":
             return {"staged": self._stage(fields, tensors)}, {}
-        if op == "commit":  # with "names": then read those dense parameters, in the same round trip
+        if op == "commit":  # with "names" or ``ids/<table>`` (as a pull): then read those, in the same round trip
             reply = self._commit(fields["worker"], fields["seq"])
-            if reply["missing"] or not fields.get("names"):
+            if reply["missing"] or not (fields.get("names") or tensors):
                 return reply, {}
-            return {**reply, "version": self.version}, {name: self._read(name) for name in fields["names"]}
+            return {**reply, "version": self.version}, self._read_many(fields.get("names", []), tensors)
         if op == "abort":
             with self._seq_lock:
                 self._staged.pop((fields["worker"], fields["seq"]), None)
@@ -155,6 +153,22 @@ class ParameterServer:
     def _read(self, name: str) -> torch.Tensor:
         with self._locks[name]:
             return self.dense[name].clone()
+
+    def _read_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        if table not in self.tables:
+            raise WireError(f"no table '{table}' here")
+        with self._locks[table]:  # indexing by a tensor copies the rows
+            return self.tables[table][ids]
+
+    def _read_many(self, names: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Dense parameters ``names``, and for each ``ids/<table>`` those rows as ``rows/<table>``."""
+        out = {name: self._read(name) for name in names}
+        for key, ids in tensors.items():
+            kind, _, table = key.partition("/")
+            if kind != "ids":
+                raise WireError(f"unknown tensor '{key}' in a read")
+            out[f"rows/{table}"] = self._read_rows(table, ids)
+        return out
 
     def _variable(self, name: str) -> torch.Tensor:
         if name not in self._locks:

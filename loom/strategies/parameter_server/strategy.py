@@ -63,27 +63,27 @@ class RemoteEmbedding(nn.Module):
         self.trained = trained and local.weight.requires_grad
         self.variables = variables  # not a submodule: a copy of the model shares it
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
-        self.ahead: deque[list[Any]] = deque(maxlen=2)  # [unique ids, their pull once sent] of the batches to come
+        self.ahead: deque[list[Any]] = deque(maxlen=2)  # [unique ids, their rows once read] of the batches to come
 
-    def prefetch(self, ids: torch.Tensor, now: bool) -> None:
-        """Pull the rows ``ids`` needs before the forward pass asks: ``now``, or at ``send_prefetch``."""
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Have the next read from the servers (the step's commit) bring the rows ``ids`` needs."""
         self.ahead.append([torch.unique(ids), None])
-        if now:
-            self.send_prefetch()
 
-    def send_prefetch(self) -> None:
-        for entry in self.ahead:
-            if entry[1] is None:
-                entry[1] = self.variables.pull_rows_ahead(self.name, entry[0])
+    def wanted(self) -> torch.Tensor | None:
+        """The ids of the newest prefetch not yet read, if any."""
+        return self.ahead[-1][0] if self.ahead and self.ahead[-1][1] is None else None
+
+    def prefetched(self, rows: torch.Tensor) -> None:
+        self.ahead[-1][1] = rows
 
     def _rows(self, unique: torch.Tensor) -> torch.Tensor:
         """The prefetched rows when they are these ids' (those asked for before them are dropped);
         else pulled now. A prefetch for the batch after this one stays."""
-        for i, (ids, pending) in enumerate(self.ahead):
-            if pending is not None and torch.equal(ids, unique):
+        for i, (ids, rows) in enumerate(self.ahead):
+            if rows is not None and torch.equal(ids, unique):
                 for _ in range(i + 1):
                     self.ahead.popleft()
-                return pending.result()
+                return rows
         return self.variables.pull_rows(self.name, unique)
 
     def local_like(self, weight: torch.Tensor) -> nn.Module:
@@ -197,19 +197,22 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         dense = {n: g for n in self.trained if (g := self.dense[n].grad) is not None}
         rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
         options = {"hyper": group_hyper(self.optimizer), "every_shard": not self.lazy_rows}
+        ahead = {m: ids for m in self.tables if (ids := m.wanted()) is not None}  # prefetched rows: read with the dense ones
+        wanted = {m.name: ids for m, ids in ahead.items()}
         if self.synchronous or self.staleness is not None:
             self.variables.push(dense, rows, sync=self.workers if self.synchronous else None, **options)
             if self.synchronous:
                 self.variables.wait_for_round()
             else:
                 self.variables.wait_for_peers(self.workers, self.staleness)
-            for module in self.tables:  # rows asked for ahead are read now, after the step every worker waits for
-                module.send_prefetch()
-            pulled = self.variables.pull_dense(list(self.dense))
+            pulled, fetched = self.variables.pull(list(self.dense), wanted)  # after the step every worker waits for
         else:  # asynchronous: the newest parameters come back with the commit
-            pulled = self.variables.push(dense, rows, then_pull=list(self.dense), **options)
+            pulled, fetched = self.variables.push(dense, rows, then_pull=list(self.dense), then_rows=wanted, **options)
         for name, value in pulled.items():
             self.dense[name].copy_(value)
+        for module in ahead:
+            if module.name in fetched:
+                module.prefetched(fetched[module.name])
 
 
 class _Gradients:
@@ -350,21 +353,23 @@ class ParameterServerStrategy(Strategy):
         return self.precision.wrap(model), opt
 
     def prefetch(self, model: nn.Module, ids: dict[str, torch.Tensor]) -> None:
-        """Pull the rows the next batch needs while this step computes: ``ids`` maps each table's
-        name in the model (``model.named_modules()``) to the ids the next forward pass gives it.
+        """Have this step's ``optimizer.step()`` bring the rows the next batch needs: ``ids`` maps
+        each table's name in the model (``model.named_modules()``) to the ids the next forward
+        pass gives it.
 
-        Asynchronous workers send the pull at once, so it runs beside the forward, backward and
-        push of this step: those rows may miss this worker's own push of this step (one step
-        staler, as the other workers' pushes already may be). With ``synchronous`` or
-        ``staleness`` the pull waits until the step's synchronisation and goes with the dense
-        pull, so every value read is the one it would be without prefetching. A forward pass
-        given other ids than those prefetched pulls its own.
+        The rows come in the reply that brings the newest dense parameters after the push (the
+        commit; in synchronous or bounded-staleness training, the read after the step's
+        synchronisation), so the next forward pass makes no round trip of its own, and every
+        value read is the one it would read without prefetching. A pull of its own beside the
+        step would cost a round trip and a thread competing with the step for the cores (on
+        W3 it made workers slower). A forward pass given other ids than those prefetched, or
+        run with no step between, pulls its own.
         """
         tables = {n: m for n, m in unwrap(model).named_modules() if isinstance(m, RemoteEmbedding)}
         for name, table_ids in ids.items():
             if name not in tables:
                 raise ValueError(f"prefetch: the model has no table '{name}'; its tables are {sorted(tables)}")
-            tables[name].prefetch(table_ids, now=not self.synchronous and self.staleness is None)
+            tables[name].prefetch(table_ids)
 
     def save(self, directory: str | Path, **options: Any) -> Path | None:  # type: ignore[override]
         """The chief saves an ordinary loom checkpoint; other workers return None.

@@ -1,6 +1,6 @@
 """A worker's view of the variables spread over the servers: create, pull, push.
 
-Pulls and pushes fan out to the servers in parallel (one thread per server), each server
+Pulls and pushes go to the servers at once (every request sent, then every reply read), each server
 getting only its share: its dense parameters, and for a table the rows in its range. A push
 is staged on every server it touches before any applies it (then committed), so a worker
 that dies mid-push leaves nothing half-applied that its launcher cannot settle.
@@ -9,7 +9,6 @@ that dies mid-push leaves nothing half-applied that its launcher cannot settle.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -32,12 +31,10 @@ class ShardedVariables:
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
-        self._pool = ThreadPoolExecutor(max_workers=2 * len(clients), thread_name_prefix="loom-ps")  # a prefetch beside a step's call
-        self._ahead = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-ps-prefetch")
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
-        futures = {s: self._pool.submit(self.clients[s].call, *request) for s, request in requests.items()}
-        replies = {s: f.result() for s, f in futures.items()}
+        sent = {s: self.clients[s].send(*request) for s, request in requests.items()}  # all at once, then every reply
+        replies = {s: reply.result() for s, reply in sent.items()}
         for s, (fields, _) in replies.items():
             if "version" in fields:
                 self.versions[s] = fields["version"]
@@ -82,11 +79,40 @@ class ShardedVariables:
         return grouped
 
     def pull_dense(self, names: list[str]) -> dict[str, torch.Tensor]:
-        requests = {s: ({"op": "pull", "names": held}, {}) for s, held in self._by_server(names).items()}
-        out: dict[str, torch.Tensor] = {}
-        for _, tensors in self._fan_out(requests).values():
-            out.update(tensors)
-        return out
+        return self.pull(names, {})[0]
+
+    def pull(self, names: list[str], rows: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Dense parameters ``names`` and, in the same round trip, rows ``rows[table]`` (ids unique) of tables."""
+        reads = self._reads(names, rows)
+        replies = self._fan_out({s: ({"op": "pull", "names": held}, ids) for s, (held, ids) in reads.items()})
+        return self._gather({s: tensors for s, (_, tensors) in replies.items()}, rows)
+
+    def _reads(self, names: list[str], rows: dict[str, torch.Tensor]) -> dict[int, tuple[list[str], dict[str, torch.Tensor]]]:
+        """server -> (its dense names, its ``ids/<table>`` local row ids): what to read from each."""
+        reads: dict[int, tuple[list[str], dict[str, torch.Tensor]]] = {}
+        for server, held in self._by_server(names).items():
+            reads.setdefault(server, ([], {}))[0].extend(held)
+        for table, ids in rows.items():
+            for server, (_, local) in enumerate(self.placement.rows_by_server(table, ids)):
+                if len(local):
+                    reads.setdefault(server, ([], {}))[1][f"ids/{table}"] = local
+        return reads
+
+    def _gather(self, replies: dict[int, dict[str, torch.Tensor]], rows: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        """The dense parameters and each table's rows (in the order asked) from the servers' replies."""
+        dense = {name: value for tensors in replies.values() for name, value in tensors.items() if not name.startswith("rows/")}
+        tables = {}
+        for table, ids in rows.items():
+            parts = self.placement.rows_by_server(table, ids)
+            first = next((t[f"rows/{table}"] for t in replies.values() if f"rows/{table}" in t), None)
+            if first is None:  # no ids asked for
+                continue
+            out = torch.empty(len(ids), *first.shape[1:], dtype=first.dtype)
+            for s, (positions, _) in enumerate(parts):
+                if len(positions):
+                    out[positions] = replies[s][f"rows/{table}"]
+            tables[table] = out
+        return dense, tables
 
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``table`` (ids unique), each from the server holding it."""
@@ -100,10 +126,6 @@ class ShardedVariables:
                 rows[positions] = replies[s][1]["rows"]
         return rows
 
-    def pull_rows_ahead(self, table: str, ids: torch.Tensor) -> Future:
-        """``pull_rows`` in the background; the rows come with the future."""
-        return self._ahead.submit(self.pull_rows, table, ids)
-
     def push(
         self,
         dense_grads: dict[str, torch.Tensor],
@@ -112,10 +134,12 @@ class ShardedVariables:
         then_pull: list[str] | None = None,
         hyper: list[dict[str, Any]] | None = None,
         every_shard: bool = False,
-    ) -> dict[str, torch.Tensor]:
+        then_rows: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """One step's gradients: each server gets its share, tagged so that a retry applies once;
-        staged everywhere first, then committed everywhere. ``then_pull``: dense parameters
-        to read once the push is applied, in the commit's round trip (returned). ``hyper``:
+        staged everywhere first, then committed everywhere. ``then_pull`` (dense parameters) and
+        ``then_rows`` (table -> unique row ids): what to read once the push is applied, in the
+        commit's round trip (returned, as ``pull`` returns them). ``hyper``:
         each parameter group's hyper-parameters for this step (what the scheduler set).
         ``every_shard``: every server holding rows of a pushed table gets its share, even with
         no rows in it, so that its rows untouched this step are stepped too (exact semantics).
@@ -147,23 +171,26 @@ class ShardedVariables:
             fields["parts"] = parts  # so that a dead worker's launcher can tell a whole push from a half one
         self._fan_out(requests)
         self._last_push = requests
-        pulled = self._commit(parts, self._by_server(then_pull or []))
+        rows = then_rows or {}
+        replies = self._commit(parts, self._reads(then_pull or [], rows))
         self.clock += 1
-        return pulled
+        return self._gather(replies, rows)
 
-    def _commit(self, servers: list[int], pulls: dict[int, list[str]]) -> dict[str, torch.Tensor]:
-        """Apply the staged push on ``servers`` and read ``pulls`` (server -> names) after it;
-        a server that lost the push (restarted) gets it again."""
+    def _commit(self, servers: list[int], reads: dict[int, tuple[list[str], dict[str, torch.Tensor]]]) -> dict[int, dict[str, torch.Tensor]]:
+        """Apply the staged push on ``servers`` and do ``reads`` (see ``_reads``) after it; each
+        server's reply tensors. A server that lost the push (restarted) gets it again."""
         commit = {"op": "commit", "worker": self.worker, "seq": self.clock}
-        requests = {s: ({**commit, "names": pulls.get(s, [])}, {}) for s in servers}
-        requests.update({s: ({"op": "pull", "names": names}, {}) for s, names in pulls.items() if s not in requests})
-        pulled: dict[str, torch.Tensor] = {}
+        nothing: tuple[list[str], dict[str, torch.Tensor]] = ([], {})
+        requests = {s: ({**commit, "names": reads.get(s, nothing)[0]}, reads.get(s, nothing)[1]) for s in servers}
+        requests.update({s: ({"op": "pull", "names": names}, ids) for s, (names, ids) in reads.items() if s not in requests})
+        replies = {}
         for server, (fields, tensors) in self._fan_out(requests).items():
             if fields.get("missing"):
                 self._deliver(server, commit)
-                tensors = self.pull_dense(pulls.get(server, []))
-            pulled.update(tensors)
-        return pulled
+                names, ids = reads.get(server, nothing)
+                tensors = self.clients[server].call({"op": "pull", "names": names}, ids)[1] if names or ids else {}
+            replies[server] = tensors
+        return replies
 
     def _deliver(self, server: int, commit: dict[str, Any]) -> None:
         self.clients[server].call(*self._last_push[server])
@@ -202,7 +229,5 @@ class ShardedVariables:
             time.sleep(0.005)
 
     def close(self) -> None:
-        self._ahead.shutdown()
-        self._pool.shutdown()
         for client in self.clients:
             client.close()

@@ -86,8 +86,8 @@ def test_two_synchronous_workers_equal_one_on_the_global_batch(servers, make_opt
             F.binary_cross_entropy_with_logits(model(ids[half]), y[half]).backward()
             opt.step()
             opt.zero_grad()
-        if prefetch:  # the worker itself pulled rows for its first batch only
-            assert pulled_by.count(threading.current_thread().name) == 1 and len(pulled_by) == 15, pulled_by
+        if prefetch:  # the worker pulled rows for its first batch only; the others came with each round's read
+            assert pulled_by == [threading.current_thread().name], pulled_by
         tables[worker] = (strategy.variables.pull_rows("bag", torch.arange(50)), dict(model.mlp.named_parameters()))
         strategy.shutdown()
 
@@ -111,17 +111,22 @@ def _record_pulls(variables):
     return names
 
 
-def test_asynchronous_prefetch_is_sent_at_once_and_a_table_not_in_the_model_is_named(servers):
+def test_asynchronous_prefetch_comes_with_the_commit_after_the_push_and_a_table_not_in_the_model_is_named(servers):
     strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
     model, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
     pulled_by = _record_pulls(strategy.variables)
-    ids = next(batches(1))[0]
-    strategy.prefetch(model, {"bag": ids})
-    while not pulled_by:
-        time.sleep(0.001)  # sent before the forward pass asks
-    assert pulled_by[0].startswith("loom-ps-prefetch")
-    model(ids)
-    assert len(pulled_by) == 1
+    ops = []
+    for client in strategy.variables.clients:
+        client.send = (lambda send: lambda fields, tensors=None: ops.append(fields["op"]) or send(fields, tensors))(client.send)
+    (ids, y), (after, _) = batches(2)
+    strategy.prefetch(model, {"bag": after})
+    F.binary_cross_entropy_with_logits(model(ids), y).backward()
+    opt.step()  # stage and commit on both servers; each commit brings its rows of the next batch
+    assert len(pulled_by) == 1 and sorted(ops) == ["commit", "commit", "pull_rows", "pull_rows", "push", "push"], ops
+    rows = model.bag.ahead[-1][1]
+    torch.testing.assert_close(rows, strategy.variables.pull_rows("bag", torch.unique(after)), rtol=0, atol=0)  # after the push
+    model(after)
+    assert len(pulled_by) == 2  # only the check's: the forward pass used the prefetched rows
     with pytest.raises(ValueError, match=r"prefetch: the model has no table 'table'; its tables are \['bag'\]"):
         strategy.prefetch(model, {"table": ids})
     strategy.shutdown()
