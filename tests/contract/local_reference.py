@@ -3,8 +3,8 @@
 These strategies do not equal one device on the global batch: each replica steps its own
 optimizer on its own slice and the replicas meet every H steps. So the contract runs them
 with ``OPTIONS`` (H=2 over 3 steps: one sync, then a step apart) and compares every replica
-with this simulation: two threads, each a one-device replica on its slice, that meet at a
-barrier every H steps and average their parameters (local SGD) or move a shared anchor with
+with this simulation: two threads, each a one-device replica on its slice, that take turns
+(torch's generator is global, and loom's loaders seed it) and meet at a barrier every H steps and average their parameters (local SGD) or move a shared anchor with
 the outer Nesterov SGD written out here by hand (DiLoCo).
 """
 
@@ -34,14 +34,19 @@ class Meeting:
     def __init__(self, outer: bool) -> None:
         self.outer = outer
         self.barrier = threading.Barrier(REPLICAS, timeout=30)
+        self.turn = threading.Lock()  # held by the replica that runs; let go only while waiting at the meeting
         self.posted: list[list[torch.Tensor]] = [[] for _ in range(REPLICAS)]
 
     @torch.no_grad()
     def meet(self, replica: int, params: list[torch.Tensor], state: dict[str, Any]) -> None:
         self.posted[replica] = [p.detach().clone() for p in params]
-        self.barrier.wait()
-        mean = [sum(ts) / REPLICAS for ts in zip(*self.posted)]
-        self.barrier.wait()  # both have read before either posts again
+        self.turn.release()
+        try:
+            self.barrier.wait()
+            mean = [sum(ts) / REPLICAS for ts in zip(*self.posted)]
+            self.barrier.wait()  # both have read before either posts again
+        finally:
+            self.turn.acquire()
         if self.outer:
             anchor, momentum = state.setdefault("anchor", [p.clone() for p in self.posted[replica]]), state.setdefault("momentum", [])
             pseudo = [a - m for a, m in zip(anchor, mean)]
@@ -98,29 +103,22 @@ class MeetingOptimizer(StrategyOptimizer):
 
 def simulate(strategy: str, case: str) -> list[dict[str, torch.Tensor]]:
     """Each replica's weights after ``case`` under ``strategy`` (a name in ``LOCAL``)."""
-    meeting, build, lock = Meeting(outer=strategy == "diloco"), cases.mlp, threading.Lock()
+    meeting = Meeting(outer=strategy == "diloco")
     results: list[Any] = [None] * REPLICAS
 
-    def seeded_mlp() -> torch.nn.Module:
-        with lock:  # the threads share torch's generator: one seeded build at a time
-            return build()
-
     def work(replica: int) -> None:
-        try:
-            results[replica] = cases.CASES[case](lambda **o: SimulatedReplica(meeting, replica, **o))["weights"]
-        except BaseException as error:  # noqa: BLE001 - re-raised below, in the test's thread
-            meeting.barrier.abort()
-            results[replica] = error
+        with meeting.turn:
+            try:
+                results[replica] = cases.CASES[case](lambda **o: SimulatedReplica(meeting, replica, **o))["weights"]
+            except BaseException as error:  # noqa: BLE001 - re-raised below, in the test's thread
+                meeting.barrier.abort()
+                results[replica] = error
 
-    original, cases.mlp = cases.mlp, seeded_mlp
-    try:
-        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(REPLICAS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=60)
-    finally:
-        cases.mlp = original
+    threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(REPLICAS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
     for got in results:
         if not isinstance(got, dict):
             raise AssertionError(f"the simulation of {strategy} on {case} failed: {got!r}")
