@@ -3,10 +3,10 @@
 from loom import comm
 from loom.cluster import ClusterSpec, NodeSpec
 from loom.errors import ClusterError, LaunchError, LoomError, RankFailureError
+from loom import strategies
 from loom.launch import launch
 from loom.strategies import (
     DiLoCoStrategy,
-    HybridStrategy,
     LocalSGDStrategy,
     Mesh,
     MirroredStrategy,
@@ -14,9 +14,7 @@ from loom.strategies import (
     OneDeviceStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
-    ShardedStrategy,
     Strategy,
-    TensorParallelStrategy,
     TPUStrategy,
     auto_strategy,
     get_strategy,
@@ -61,9 +59,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``loom.advise`` is imported on first use: the diagnostics stay out of ``import loom``."""
+    """``loom.advise`` and the strategies on DTensor/FSDP2 are imported on first use, to keep ``import loom`` light."""
     if name == "advise":
         from loom.diagnostics.advise import advise
 
         return advise
+    if name in strategies.ON_FIRST_USE:
+        return getattr(strategies, name)
     raise AttributeError(f"module 'loom' has no attribute {name!r}")

@@ -12,13 +12,14 @@ import importlib.machinery
 import os
 import sys
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+if TYPE_CHECKING:  # DCP (and DTensor under it) costs a second of CPU to import: launchers never need it
+    from torch.distributed.checkpoint import FileSystemReader
 
 # What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
 # Three of these names are private to torch; an index written by another torch may use others.
@@ -48,6 +49,8 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     1 and every later update differs. It skips that step when a parameter has a gradient, so
     one is lent a zero gradient meanwhile; there is no state to save then, only hyper-parameters.
     """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
     params = [p for group in optimizer.param_groups for p in group["params"]]
     lent = next((p for p in params if p.requires_grad), None)  # none: DCP's step would change nothing
     if optimizer.state or lent is None or any(p.grad is not None for p in params):

@@ -2,31 +2,49 @@
 
 from __future__ import annotations
 
+import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
-from loom.strategies.hybrid import HybridStrategy
 from loom.strategies.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from loom.strategies.mesh import Mesh
 from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.pipeline import PipelineStrategy
-from loom.strategies.sharded import ShardedStrategy
-from loom.strategies.tensor_parallel import TensorParallelStrategy
 from loom.strategies.xla import TPUStrategy  # imports JAX only when one is created
 
-STRATEGIES: dict[str, type[Strategy]] = {
+if TYPE_CHECKING:
+    from loom.strategies.hybrid import HybridStrategy
+    from loom.strategies.sharded import ShardedStrategy
+    from loom.strategies.tensor_parallel import TensorParallelStrategy
+
+# The strategies built on DTensor and FSDP2 load on first use: importing those costs about a
+# second of CPU, which every launcher and every data-parallel or parameter-server process would pay.
+ON_FIRST_USE = {
+    "ShardedStrategy": "loom.strategies.sharded",
+    "TensorParallelStrategy": "loom.strategies.tensor_parallel",
+    "HybridStrategy": "loom.strategies.hybrid",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in ON_FIRST_USE:
+        return getattr(importlib.import_module(ON_FIRST_USE[name]), name)
+    raise AttributeError(f"module 'loom.strategies' has no attribute {name!r}")
+
+
+STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one loaded on first use
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
-    "sharded": ShardedStrategy,
+    "sharded": "ShardedStrategy",
     "pipeline": PipelineStrategy,
-    "tensor_parallel": TensorParallelStrategy,
-    "hybrid": HybridStrategy,
+    "tensor_parallel": "TensorParallelStrategy",
+    "hybrid": "HybridStrategy",
     "tpu": TPUStrategy,
     "xla": TPUStrategy,
     "local_sgd": LocalSGDStrategy,
@@ -40,7 +58,7 @@ def get_strategy(name: str, **options: Any) -> Strategy:
         cls = STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}") from None
-    return cls(**options)
+    return (__getattr__(cls) if isinstance(cls, str) else cls)(**options)
 
 
 def auto_strategy(**options: Any) -> Strategy:

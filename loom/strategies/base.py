@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
-from loom.checkpoint import Checkpointer
 from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
@@ -35,6 +34,9 @@ from loom.strategies.fast_path import apply_layout, check_candidates as fast_pat
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
+
+if TYPE_CHECKING:
+    from loom.checkpoint.checkpointer import Checkpointer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 Number = TypeVar("Number", int, float)
@@ -416,6 +418,8 @@ class Strategy(ABC):
 
     @cached_property
     def _checkpointer(self) -> Checkpointer:
+        from loom.checkpoint.checkpointer import Checkpointer  # imports DCP: only a job that saves pays for it
+
         return Checkpointer(type(self).__name__)
 
     def shutdown(self) -> None:

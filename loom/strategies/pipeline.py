@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
@@ -237,6 +236,8 @@ class PipelineStrategy(Strategy):
         ``strict`` holds for the stages together: a tensor no stage wants, or one a stage
         wants and the checkpoint lacks, is an error.
         """
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # DCP: imported by restores only
+
         for value in state.values():  # DCP creates missing optimizer state by a step at lr 0: on the real groups
             if isinstance(value, torch.optim.Optimizer) and not inner_optimizer(value).state:
                 module = self._module_of(value, state)
