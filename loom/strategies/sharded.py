@@ -87,7 +87,7 @@ def _batchnorms_kept_in_fp32(module: nn.Module, targets: Sequence[nn.Module], po
         return []
     return [
         m for m in module.modules()
-        if isinstance(m, _BatchNorm) and not isinstance(m, GlooSyncBatchNorm) and m.track_running_stats and m.affine and all(m is not t for t in targets)
+        if isinstance(m, _BatchNorm) and not isinstance(m, GlooSyncBatchNorm) and m.track_running_stats and m.affine and all(m is not t for t in [*targets, module])
     ]
 
 
