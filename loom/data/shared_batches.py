@@ -91,7 +91,11 @@ class _Space:
         return InBuffer(offset, tensor.dtype, shape)
 
     def stack(self, batch: list[torch.Tensor], *, collate_fn_map: Any = None) -> torch.Tensor:
-        """``default_collate``'s stacking of tensors, into the buffer where they fit."""
+        """``default_collate``'s stacking of tensors, into the buffer where they fit. Samples of
+        mixed dtypes, or that require grad, are stacked apart: ``out=`` would neither promote
+        their types (int then float fails, float32 then float64 is cut to float32) nor take grads."""
+        if any(t.dtype != batch[0].dtype or t.requires_grad for t in batch):
+            return default_collate(batch)
         place = self.take(batch[0], (len(batch), *batch[0].shape))
         if place is None:
             return default_collate(batch)

@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -34,7 +35,7 @@ from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.fsdp_comms import use_fast_reduce_scatter
 from loom.strategies.precision import DTYPES, Precision
-from loom.strategies.sync_batchnorm import convert_sync_batchnorm
+from loom.strategies.sync_batchnorm import GlooSyncBatchNorm, convert_sync_batchnorm
 
 Init = Callable[[nn.Module], None]
 OFFLOAD_ON_CPU = "offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload"
@@ -67,6 +68,8 @@ def shard_model(
         "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
     }
     inner = replace(policy, output_dtype=None)  # the model's outputs are cast, not every block's
+    for norm in _batchnorms_kept_in_fp32(module, targets, policy):
+        fully_shard(norm, mp_policy=MixedPrecisionPolicy(reduce_dtype=policy.reduce_dtype), **options)
     for block in reversed(targets):  # inner modules first: FSDP2 groups a block's parameters apart from its parent's
         if block is not module:
             fully_shard(block, mp_policy=inner, **options)
@@ -74,6 +77,18 @@ def shard_model(
     group = mesh.get_group(mesh.ndim - 1) if mesh is not None else dist.group.WORLD  # the dimension FSDP shards over
     use_fast_reduce_scatter([*targets, module], group)
     return module
+
+
+def _batchnorms_kept_in_fp32(module: nn.Module, targets: Sequence[nn.Module], policy: MixedPrecisionPolicy) -> list[nn.Module]:
+    """BatchNorm layers to shard as their own units with fp32 weights: torch's batch_norm refuses
+    bf16 (fp16) weights beside its fp32 running statistics, and takes low-precision inputs with fp32
+    weights (as autocast runs it). loom's own synced BatchNorm computes in any dtype: left as is."""
+    if policy.param_dtype in (None, torch.float32):
+        return []
+    return [
+        m for m in module.modules()
+        if isinstance(m, _BatchNorm) and not isinstance(m, GlooSyncBatchNorm) and m.track_running_stats and m.affine and all(m is not t for t in [*targets, module])
+    ]
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:

@@ -381,3 +381,21 @@ def test_batches_are_built_in_their_buffer_and_what_does_not_fit_travels_as_is(m
             assert labels.untyped_storage().data_ptr() == buffers.storages[0].data_ptr()
     assert roomy.storages[0].data_ptr() in stacked_into  # default_collate's images, with room: in place, no copy
     assert tight.storages[0].data_ptr() not in stacked_into
+
+
+@pytest.mark.parametrize(
+    "samples",
+    [
+        [torch.tensor([1, 2]), torch.tensor([1.5, 2.5])],  # int then float: default_collate promotes to float
+        [torch.ones(2), torch.ones(2, dtype=torch.float64)],  # float32 then float64: promoted, not cut to float32
+        [torch.ones(2, requires_grad=True), torch.ones(2)],  # stack(out=...) refuses grads
+    ],
+    ids=["int-then-float", "f32-then-f64", "requires-grad"],
+)
+def test_a_batch_default_collate_promotes_comes_out_of_the_buffer_as_default_collate_gives_it(samples):
+    from loom.data.shared_batches import BatchBuffers
+
+    buffers = BatchBuffers(1, capacity=1024)
+    got = buffers.read(0, buffers.collate(0, torch.utils.data.default_collate, samples))
+    expected = torch.utils.data.default_collate(samples)
+    assert got.dtype == expected.dtype and torch.equal(got, expected.detach())

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import loom
 from examples.gpt_model import GPT
@@ -90,8 +91,22 @@ def uneven_gradients() -> dict[str, Any]:
     return {"grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()}, "calls": calls}
 
 
+def batchnorm_in_bf16(strategy: loom.Strategy) -> dict[str, torch.Tensor]:
+    """Two SGD steps of a BatchNorm model under bf16-mixed on this replica's half of a batch; the trained weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = strategy.train_step(model, nn.MSELoss(), opt)
+    generator = torch.Generator().manual_seed(1)
+    x, y = (t.chunk(2)[strategy.replica_id] for t in (torch.randn(8, 4, generator=generator), torch.randn(8, 1, generator=generator)))
+    for _ in range(2):
+        step(x, y)
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in loom.unwrap(model).state_dict().items()}
+
+
 def two_ranks(directory: Path) -> dict[str, Any]:
-    return {**sharded_ranks.two_ranks(directory), "uneven": uneven_gradients()}
+    bf16 = {name: batchnorm_in_bf16(s(precision="bf16-mixed", timeout=60)) for name, s in (("sharded", loom.ShardedStrategy), ("mirrored", loom.MultiWorkerMirroredStrategy))}
+    return {**sharded_ranks.two_ranks(directory), "uneven": uneven_gradients(), "batchnorm_bf16": bf16}
 
 
 @pytest.fixture(scope="session")
@@ -185,3 +200,12 @@ def test_four_replicas_each_hold_a_quarter_of_a_model_one_could_not_hold(monkeyp
         allowed = share + 4 * found["block_mb"] + 8
         assert found["peak_added_mb"] <= allowed, found
         assert found["full_state_mb"] > 2.5 * allowed  # what Mirrored holds on every process would not fit
+
+
+def test_batchnorm_under_bf16_mixed_keeps_fp32_weights_and_equals_mirrored(sharded):
+    """torch's batch_norm refuses bf16 weights beside fp32 running statistics: each BatchNorm is a
+    unit of its own with fp32 weights, as autocast runs it under Mirrored, and gives its very weights
+    (the running statistics are each replica's own, where DDP broadcasts rank 0's)."""
+    for rank in sharded:
+        sharded_weights, mirrored = ({k: v for k, v in got.items() if "running" not in k} for got in rank["batchnorm_bf16"].values())
+        assert max_difference(sharded_weights, mirrored) == 0.0
