@@ -21,13 +21,13 @@ from typing import Any, Callable, ContextManager, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
+from loom.compat import BatchNormBase
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
@@ -87,7 +87,7 @@ def _batchnorms_kept_in_fp32(module: nn.Module, targets: Sequence[nn.Module], po
         return []
     return [
         m for m in module.modules()
-        if isinstance(m, _BatchNorm) and not isinstance(m, GlooSyncBatchNorm) and m.track_running_stats and m.affine and all(m is not t for t in [*targets, module])
+        if isinstance(m, BatchNormBase) and not isinstance(m, GlooSyncBatchNorm) and m.track_running_stats and m.affine and all(m is not t for t in [*targets, module])
     ]
 
 

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from loom.compat import BatchNormBase
 
 
-class GlooSyncBatchNorm(_BatchNorm):
+class GlooSyncBatchNorm(BatchNormBase):
     """SyncBatchNorm for CPU tensors; two all-reduces per layer (mean, then variance) for accuracy.
 
     Not a subclass of torch's ``SyncBatchNorm``, which DDP refuses on CPU.
@@ -60,7 +61,7 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     """Every BatchNorm layer of ``module`` replaced by one that computes global-batch statistics."""
     if device.type != "cpu":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    if isinstance(module, _BatchNorm) and not isinstance(module, GlooSyncBatchNorm):
+    if isinstance(module, BatchNormBase) and not isinstance(module, GlooSyncBatchNorm):
         device = next((t.device for t in [*module.parameters(), *module.buffers()]), None)  # meta under ShardedStrategy.scope()
         synced = GlooSyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, device=device)
         synced.load_state_dict(module.state_dict(), assign=True)
