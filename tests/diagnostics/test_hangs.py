@@ -1,5 +1,7 @@
 """A hung job's final message says where each rank is and why, from the ranks' collective records."""
 
+import re
+
 import pytest
 
 from loom.comm.hangs import explain, rank_condition
@@ -16,8 +18,11 @@ def line_of(marker: str) -> int:
 
 @pytest.fixture(scope="session")
 def final_line() -> str:
-    """The last line of one six-rank job in which three pairs of ranks hang three ways at once."""
-    job = loom_run(["run", "--nproc", "6", "--threads", "1", "--timeout", "5", str(SCRIPT)], timeout=240)
+    """The last line of one six-rank job in which three pairs of ranks hang three ways at once.
+
+    The timeout leaves a pair that six processes on two cores slowed down time to reach its hang
+    before the first pair's collective times out and the records are compared."""
+    job = loom_run(["run", "--nproc", "6", "--threads", "1", "--timeout", "10", str(SCRIPT)], timeout=240)
     assert job.returncode != 0
     line = job.stderr.strip().splitlines()[-1]
     assert line.startswith("loom: job failed: rank ") and " failed: HangError: " in line, job.stderr[-3000:]
@@ -26,10 +31,12 @@ def final_line() -> str:
 
 def test_a_skipped_all_reduce_names_the_rank_and_both_call_sites(final_line):
     train, barrier = line_of("TRAIN_ALL_REDUCE"), line_of("END_BARRIER")
-    assert (
-        f"collectives out of step at #4: rank 3 is in barrier #4 of group 2 (hang_job.py:{barrier}) "
-        f"while rank 2 is in all_reduce #4 of group 2 (hang_job.py:{train})"
-    ) in final_line, final_line
+    # gloo may let the two mismatched calls complete against each other, and then they "ran".
+    assert re.search(
+        rf"collectives out of step at #4: rank 3 (is in|ran) barrier #4 of group 2 \(hang_job.py:{barrier}\) "
+        rf"while rank 2 (is in|ran) all_reduce #4 of group 2 \(hang_job.py:{train}\)",
+        final_line,
+    ), final_line
 
 
 def test_a_rank_looping_in_python_is_named_with_the_looping_line(final_line):

@@ -15,7 +15,7 @@ import loom
 
 strategy = loom.MirroredStrategy()
 rank = dist.get_rank()
-groups = [dist.new_group(pair, timeout=timedelta(seconds=5)) for pair in ([0, 1], [2, 3], [4, 5])]  # like --timeout
+groups = [dist.new_group(pair, timeout=timedelta(seconds=10)) for pair in ([0, 1], [2, 3], [4, 5])]  # like --timeout
 group = groups[rank // 2]
 grad = torch.ones(4)
 dist.barrier()  # the three pairs start together, so all three hang by the first timeout
