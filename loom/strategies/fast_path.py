@@ -6,7 +6,11 @@ Candidates, each kept only if it is faster and numerically equivalent to eager (
 gradients on the batch within float tolerance of eager's, in the strategy's precision):
 
 - ``"channels_last"``: convolution weights (and so activations) in NHWC, which oneDNN's
-  convolutions run without reordering; only for models with 2-D convolutions;
+  convolutions run without reordering; only for models with 2-D convolutions. Its edges are
+  channels_last too: the batch is converted once as it enters the model (a convolution would
+  convert it in its forward and again in its backward), and the gradient of an ``nn.Flatten``'s
+  input is given back channels_last (max-pool's backward takes a contiguous one by a slow path
+  that copies its input and its result);
 - ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
 - ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
   back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
@@ -129,7 +133,7 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
                 for name in group[1:] if group and group[0] == "eager" else group:
                     if "+" not in name:  # a pair is made of parts checked on their own; reuse_memory's check fills its heap
                         with _layout(module, name == "channels_last"):
-                            problem = _difference(reference, _grads(module, programs[name], example, autocast), tolerance=2e-2 if low_precision else 1e-4)
+                            problem = _check(module, programs[name], example, autocast, reference, low_precision)
                         if problem:
                             plan.rejected[name] = problem
                 group = [name for name in group if not any(part in plan.rejected for part in name.split("+"))]
@@ -176,6 +180,7 @@ def apply_layout(module: nn.Module, plan: FastPath) -> None:
     set the allocator for the rest of the process when ``reuse_memory`` was chosen."""
     if plan.channels_last:
         module.to(memory_format=torch.channels_last)
+        _channels_last_edges(module)
     if plan.reuse_memory:
         reuse_memory(True)
 
@@ -191,6 +196,16 @@ def _grads(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: C
     out = _run(run, example, autocast)
     out.sum().backward()
     return [out.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros(()) for p in module.parameters()]
+
+
+def _check(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any], reference: list[torch.Tensor], low_precision: bool) -> str | None:
+    """Why ``run`` is not to be kept, or None: it fails on the batch (a ``view`` of a
+    channels_last activation, an op ``torch.compile`` cannot take), or computes differently."""
+    try:
+        got = _grads(module, run, example, autocast)
+    except Exception as error:  # noqa: BLE001 -- any failure of a candidate only refuses it
+        return f"fails on the example batch ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}), not kept"
+    return _difference(reference, got, tolerance=2e-2 if low_precision else 1e-4)
 
 
 def _timed(run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> float:
@@ -231,10 +246,40 @@ def _layout(module: nn.Module, channels_last: bool) -> Iterator[None]:
         yield
         return
     module.to(memory_format=torch.channels_last)
+    hooks = _channels_last_edges(module)
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         module.to(memory_format=torch.contiguous_format)
+
+
+def _channels_last_edges(module: nn.Module) -> list[Any]:
+    hooks = [module.register_forward_pre_hook(_batch_channels_last)]
+    return hooks + [m.register_forward_pre_hook(_gradient_channels_last) for m in module.modules() if isinstance(m, nn.Flatten)]
+
+
+def _batch_channels_last(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
+
+
+def _gradient_channels_last(module: nn.Module, args: tuple) -> tuple | None:
+    if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].requires_grad):
+        return None
+    return (_ChannelsLastGradient.apply(args[0]), *args[1:])
+
+
+class _ChannelsLastGradient(torch.autograd.Function):
+    """The identity, whose gradient comes back channels_last."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous(memory_format=torch.channels_last)
 
 
 # glibc's malloc serves a block above its threshold by mmap and unmaps it at free, and trims

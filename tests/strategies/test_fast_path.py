@@ -49,10 +49,39 @@ def test_channels_last_when_faster_trains_as_eager_does(monkeypatch, capsys):
         assert torch.allclose(fast.state_dict()[key], value, rtol=1e-5, atol=1e-6), key
 
 
-def test_a_candidate_that_is_not_faster_is_not_kept_and_the_line_says_why(monkeypatch):
+def test_channels_last_edges_take_the_batch_once_and_give_flattens_gradient_back_channels_last(monkeypatch, capsys):
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 if next(run.parameters()).is_contiguous() else 0.5)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 3 * 3, 3))
+    x = batches(1)[0][0]
+    model = loom.OneDeviceStrategy(device="cpu").prepare(net, fast_path=["channels_last"], example_input=x)
+    assert capsys.readouterr().out.startswith("loom: fast path channels_last, 2.00x eager")
+    seen = {}
+    net[0].register_forward_hook(lambda m, args, out: seen.update(batch=args[0]))
+    net[1].register_full_backward_hook(lambda m, grad_in, grad_out: seen.update(grad=grad_out[0]))
+    model(x).sum().backward()
+    assert not x.is_contiguous(memory_format=torch.channels_last)
+    for tensor in (seen["batch"], seen["grad"]):
+        assert tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
+
+
+def test_a_candidate_that_is_not_faster_or_fails_is_not_kept_and_the_line_says_why(monkeypatch):
     monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0)
-    plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    net = convnet()
+    plan = fast_path.choose(net, batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
     assert plan.name == "eager" and plan.rejected == {"channels_last": "1.00x eager, not kept"}
+    assert not any(m._forward_pre_hooks for m in net.modules())  # the trial's hooks are gone
+
+    class Viewing(nn.Module):  # .view of an activation, which channels_last cannot take
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.linear = nn.Conv2d(3, 2, 3), nn.Linear(2 * 4 * 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(self.conv(x).view(len(x), -1))
+
+    plan = fast_path.choose(Viewing(), batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.rejected["channels_last"].startswith("fails on the example batch (RuntimeError: view size is not compatible")
     mlp = fast_path.choose(nn.Linear(4, 2), torch.randn(3, 4), ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
     assert mlp.line().endswith("; channels_last: no 2-D convolution")
 
