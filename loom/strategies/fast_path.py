@@ -19,8 +19,9 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
 
 Reduced precision is never switched on here: ``precision="bf16-mixed"`` is how to ask for it.
 oneDNN is already PyTorch's CPU path for convolutions (``torch.backends.mkldnn``), so it is not
-a separate candidate. The trial leaves no trace: parameters, gradients, buffers (BatchNorm
-statistics) and the random generator are as they were. Replicas decide together, on their
+a separate candidate. The trial leaves parameters, gradients, buffers (BatchNorm statistics)
+and the random generator as they were; having tried reuse_memory, it leaves glibc's thresholds
+fixed where they would slide to (glibc cannot be given their sliding back). Replicas decide together, on their
 mean timings, so they all run the same program.
 """
 
@@ -97,8 +98,8 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
     ``autocast()`` is the strategy's precision context (``low_precision`` when it computes in
     bf16 or fp16: then a candidate may differ from eager by as much as those round). A program
     of two parts (``reuse_memory`` with another) is kept only if it beats the best single one by
-    ``MIN_GAIN``. The module and the allocator are left as they were found: apply the choice with
-    ``apply_layout`` (before wrapping) and ``torch.compile`` (after).
+    ``MIN_GAIN``. The module is left as it was found: apply the choice with ``apply_layout``
+    (before wrapping) and ``torch.compile`` (after).
     """
     if not isinstance(example, torch.Tensor):
         raise TypeError(f"prepare(..., example_input=...) takes one batch of inputs as a tensor, not {type(example).__name__}")
@@ -125,11 +126,13 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
             plan.rejected["reuse_memory"] = _memory_refusal()
         reference = _grads(module, module, example, autocast)
         times: dict[str, list[float]] = {}
+        set_here = False
         try:  # without reuse_memory first, on the allocator as found: once set, glibc's is set for good
             for reuse in (False, True):
                 group = [name for name in programs if _reuses(name) == reuse and not any(part in plan.rejected for part in name.split("+"))]
                 if reuse and group:
                     reuse_memory(True)
+                    set_here = True
                 for name in group[1:] if group and group[0] == "eager" else group:
                     if "+" not in name:  # a pair is made of parts checked on their own; reuse_memory's check fills its heap
                         with _layout(module, name == "channels_last"):
@@ -143,7 +146,7 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
                         with _layout(module, "channels_last" in name.split("+")):
                             times[name].append(_timed(programs[name], example, autocast))
         finally:
-            if _reusing:
+            if set_here:
                 reuse_memory(False)
     # Every replica sends a time for every program it tried (inf where its own check refused
     # one), so the all-reduce has one shape everywhere and a refusal anywhere drops it everywhere.

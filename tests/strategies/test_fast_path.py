@@ -132,6 +132,8 @@ def test_reuse_memory_pairs_with_channels_last_only_when_the_pair_is_faster_and_
     )
     assert loom.unwrap(model)[0].weight.is_contiguous(memory_format=torch.channels_last)
     assert fast_path._reusing and _faults_of_a_64mib_block_made_again() < 1_000
+    again = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert again.rejected == {"reuse_memory": "this process reuses memory already (an earlier prepare chose it)"} and fast_path._reusing
     fast_path.reuse_memory(False)  # the next trial starts from a process that does not keep memory
     monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 / (1.04 if fast_path._reusing else 1.0))
     plan = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
