@@ -267,22 +267,13 @@ def _batch_channels_last(module: nn.Module, args: tuple) -> tuple:
     return tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
 
 
-def _gradient_channels_last(module: nn.Module, args: tuple) -> tuple | None:
-    if not (args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].requires_grad):
-        return None
-    return (_ChannelsLastGradient.apply(args[0]), *args[1:])
+def _gradient_channels_last(module: nn.Module, args: tuple) -> None:
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].requires_grad:
+        args[0].register_hook(_channels_last)  # the gradient that reaches the layer before
 
 
-class _ChannelsLastGradient(torch.autograd.Function):
-    """The identity, whose gradient comes back channels_last."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous(memory_format=torch.channels_last)
+def _channels_last(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous(memory_format=torch.channels_last)
 
 
 # glibc's malloc serves a block above its threshold by mmap and unmaps it at free, and trims
