@@ -17,7 +17,8 @@ TensorFlow 2.21 fp32 (``bench/peers/tf_peer.py``, MultiWorkerMirrored with as ma
 loom has processes and as many intra-op threads each) runs in the same run, just before and just
 after each loom job, when ``.venv-tf`` exists (``make bench-tf``); else issue 15's figures stand in. ``torch.compile`` is a
 candidate only with ``--compile`` (its compile time on this 2-core machine is minutes). A
-``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes.
+``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes
+(bench/w2_profile.py sets it beside TensorFlow's, operator by operator).
 """
 
 from __future__ import annotations
