@@ -9,11 +9,16 @@ same processes, in interleaved blocks of steps (order rotating per round):
 - ``fast path fp32``: ``prepare(..., fast_path=[...], example_input=x)``, whose one line is kept;
 - ``bf16-mixed + fast path``: the same under ``precision="bf16-mixed"``.
 
+Candidates: channels_last and reuse_memory. reuse_memory is process-wide, so each contender's
+blocks run on the allocator its own trial chose (eager's on glibc's thresholds where they slide
+to, as a trial leaves them), after one untimed step.
+
 TensorFlow 2.21 fp32 (``bench/peers/tf_peer.py``, MultiWorkerMirrored with as many workers as
 loom has processes and as many intra-op threads each) runs in the same run, just before and just
 after each loom job, when ``.venv-tf`` exists (``make bench-tf``); else issue 15's figures stand in. ``torch.compile`` is a
 candidate only with ``--compile`` (its compile time on this 2-core machine is minutes). A
-``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes.
+``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes
+(bench/w2_profile.py sets it beside TensorFlow's, operator by operator).
 """
 
 from __future__ import annotations
@@ -46,17 +51,20 @@ CONTENDERS = ("eager fp32", "fast path fp32", "bf16-mixed + fast path")
 
 def worker(rounds: int, steps: int, candidates: list[str], out: str) -> None:
     import loom
+    from loom.strategies import fast_path
 
     results: dict = {}
     for name, workload in WORKLOADS.items():
         data = workload.data(batches=4)
-        contenders, lines = {}, {}
+        contenders, lines, allocator = {}, {}, {}
         for contender in CONTENDERS:
             strategy = loom.auto_strategy(precision="bf16-mixed" if contender.startswith("bf16") else "32", timeout=600)
             torch.manual_seed(0)
             loader = strategy.distribute(data, batch_size=workload.global_batch)
             example = next(iter(loader))[0]
             options = {} if contender == "eager fp32" else {"fast_path": candidates, "example_input": example}
+            if fast_path._reusing:  # each trial starts from a process that does not keep memory
+                fast_path.reuse_memory(False)
             said = io.StringIO()
             with redirect_stdout(said):
                 model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), **options)
@@ -64,12 +72,16 @@ def worker(rounds: int, steps: int, candidates: list[str], out: str) -> None:
             step = strategy.train_step(model, F.cross_entropy, opt)
             batches = endless(loader)
             contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
-        for run in contenders.values():
+            allocator[contender] = "reuse_memory" in lines[contender].split(" (")[0]
+        for contender, run in contenders.items():
+            _allocator(fast_path, allocator[contender])
             run()
         seconds: dict[str, list[float]] = {c: [] for c in contenders}
         order = list(contenders)
         for r in range(rounds):
             for contender in order[r % len(order):] + order[: r % len(order)]:
+                _allocator(fast_path, allocator[contender])  # process-wide: each contender runs on its own choice
+                contenders[contender]()  # untimed: after a change of allocator, its heap fills
                 _barrier()
                 start = time.perf_counter()
                 for _ in range(steps):
@@ -84,6 +96,11 @@ def worker(rounds: int, steps: int, candidates: list[str], out: str) -> None:
         if int(os.environ.get("WORLD_SIZE", "1")) == 1:
             results["profile"] = profile()
         Path(out).write_text(json.dumps(results))
+
+
+def _allocator(fast_path, reuse: bool) -> None:
+    if fast_path._reusing != reuse:
+        fast_path.reuse_memory(reuse)
 
 
 def _barrier() -> None:
@@ -120,7 +137,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    candidates = ["channels_last", "compile"] if args.compile else ["channels_last"]
+    candidates = ["channels_last", "compile", "reuse_memory"] if args.compile else ["channels_last", "reuse_memory"]
     if args.worker:
         return worker(args.rounds, args.steps, candidates, args.out)
     no_tf = missing("tensorflow")

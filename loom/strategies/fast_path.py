@@ -6,20 +6,33 @@ Candidates, each kept only if it is faster and numerically equivalent to eager (
 gradients on the batch within float tolerance of eager's, in the strategy's precision):
 
 - ``"channels_last"``: convolution weights (and so activations) in NHWC, which oneDNN's
-  convolutions run without reordering; only for models with 2-D convolutions;
-- ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper.
+  convolutions run without reordering; only for models with 2-D convolutions. Its edges are
+  channels_last too: the batch is converted once as it enters the model (a convolution would
+  convert it in its forward and again in its backward), and the gradient of an ``nn.Flatten``'s
+  input is given back channels_last (max-pool's backward takes a contiguous one by a slow path
+  that copies its input and its result);
+- ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
+- ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
+  back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
+  these faults cost a W2 step a third of its time). Process-wide, it combines with either of the
+  others; the process's resident memory then stays at its peak.
 
 Reduced precision is never switched on here: ``precision="bf16-mixed"`` is how to ask for it.
 oneDNN is already PyTorch's CPU path for convolutions (``torch.backends.mkldnn``), so it is not
-a separate candidate. The trial leaves no trace: parameters, gradients, buffers (BatchNorm
-statistics) and the random generator are as they were. Replicas decide together, on their
+a separate candidate. The trial leaves parameters, gradients, buffers (BatchNorm statistics)
+and the random generator as they were; having tried reuse_memory, it leaves glibc's thresholds
+fixed where they would slide to (glibc cannot be given their sliding back). Replicas decide together, on their
 mean timings, so they all run the same program.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -29,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-CANDIDATES = ("channels_last", "compile")
+CANDIDATES = ("channels_last", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine
 ROUNDS = 3  # timed forward+backward passes per candidate, interleaved
 
@@ -40,6 +53,7 @@ class FastPath:
 
     channels_last: bool = False
     compile: bool = False
+    reuse_memory: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not kept
 
@@ -82,55 +96,96 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
     """Time eager and each applicable candidate on ``example``; keep the fastest equivalent one.
 
     ``autocast()`` is the strategy's precision context (``low_precision`` when it computes in
-    bf16 or fp16: then a candidate may differ from eager by as much as those round). The module is left as it was found:
-    apply the choice with ``apply_layout`` (before wrapping) and ``torch.compile`` (after).
+    bf16 or fp16: then a candidate may differ from eager by as much as those round). A program
+    of two parts (``reuse_memory`` with another) is kept only if it beats the best single one by
+    ``MIN_GAIN``. The module is left as it was found: apply the choice with ``apply_layout``
+    (before wrapping) and ``torch.compile`` (after).
     """
     if not isinstance(example, torch.Tensor):
         raise TypeError(f"prepare(..., example_input=...) takes one batch of inputs as a tensor, not {type(example).__name__}")
     plan = FastPath()
-    runs = {"eager": module}
+    programs: dict[str, nn.Module] = {"eager": module}
     if "channels_last" in candidates:
         if any(isinstance(m, nn.Conv2d) for m in module.modules()) and example.dim() == 4:
-            runs["channels_last"] = "channels_last"  # converted in place while timed
+            programs["channels_last"] = module  # converted in place while timed
         else:
             plan.rejected["channels_last"] = "no 2-D convolution"
     if "compile" in candidates:
-        runs["compile"] = torch.compile(module)
-    tried_names = list(runs)
+        programs["compile"] = torch.compile(module)
+    if "reuse_memory" in candidates:
+        if _reusing:
+            plan.rejected["reuse_memory"] = "this process reuses memory already (an earlier prepare chose it)"
+        elif example.device.type == "cpu":
+            programs.update({"+".join(p for p in (name, "reuse_memory") if p != "eager"): run for name, run in list(programs.items())})
+            programs = {name: programs[name] for name in sorted(programs, key=_order)}
+        else:
+            plan.rejected["reuse_memory"] = f"the activations are in {example.device.type} memory, not the host's"
+    tried_names = list(programs)  # the same on every replica: it depends on the model and the request only
     with _untouched(module):
+        if any(_reuses(name) for name in programs) and _memory_refusal():
+            plan.rejected["reuse_memory"] = _memory_refusal()
         reference = _grads(module, module, example, autocast)
-        for name, run in list(runs.items())[1:]:
-            with _layout(module, name == "channels_last"):
-                got = _grads(module, module if isinstance(run, str) else run, example, autocast)
-            problem = _difference(reference, got, tolerance=2e-2 if low_precision else 1e-4)
-            if problem:
-                plan.rejected[name] = problem
-                del runs[name]
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for _ in range(ROUNDS):
-            for name, run in runs.items():
-                with _layout(module, name == "channels_last"):
-                    times[name].append(_timed(module if isinstance(run, str) else run, example, autocast))
-    # Every replica sends a time for every candidate it tried (inf where its own check refused
+        times: dict[str, list[float]] = {}
+        set_here = False
+        try:  # without reuse_memory first, on the allocator as found: once set, glibc's is set for good
+            for reuse in (False, True):
+                group = [name for name in programs if _reuses(name) == reuse and not any(part in plan.rejected for part in name.split("+"))]
+                if reuse and group:
+                    reuse_memory(True)
+                    set_here = True
+                for name in group[1:] if group and group[0] == "eager" else group:
+                    if "+" not in name:  # a pair is made of parts checked on their own; reuse_memory's check fills its heap
+                        with _layout(module, name == "channels_last"):
+                            problem = _check(module, programs[name], example, autocast, reference, low_precision)
+                        if problem:
+                            plan.rejected[name] = problem
+                group = [name for name in group if not any(part in plan.rejected for part in name.split("+"))]
+                times.update({name: [] for name in group})
+                for _ in range(ROUNDS):
+                    for name in group:
+                        with _layout(module, "channels_last" in name.split("+")):
+                            times[name].append(_timed(programs[name], example, autocast))
+        finally:
+            if set_here:
+                reuse_memory(False)
+    # Every replica sends a time for every program it tried (inf where its own check refused
     # one), so the all-reduce has one shape everywhere and a refusal anywhere drops it everywhere.
     tried = {name: statistics.median(times[name]) if name in times else math.inf for name in tried_names}
     plan.seconds = {name: t for name, t in _agreed(tried).items() if math.isfinite(t)}
     for name in tried_names:
-        if name not in plan.seconds:
-            plan.rejected.setdefault(name, "computes differently on another replica, not kept")
-    best = min(plan.seconds, key=plan.seconds.get)
-    if best != "eager" and plan.seconds["eager"] / plan.seconds[best] >= MIN_GAIN:
-        setattr(plan, best, True)
+        if name not in plan.seconds and not any(part in plan.rejected for part in name.split("+")):
+            plan.rejected[name] = "computes differently on another replica, not kept"
+    chosen = "eager"
+    for name in sorted(plan.seconds, key=lambda n: (n.count("+"), plan.seconds[n])):
+        if plan.seconds[chosen] / plan.seconds[name] >= MIN_GAIN:
+            chosen = name
+    for part in chosen.split("+"):
+        if part != "eager":
+            setattr(plan, part, True)
     for name in plan.seconds:
-        if name not in ("eager", plan.name):
+        if name != "eager" and "+" not in name and not getattr(plan, name):
             plan.rejected.setdefault(name, f"{plan.seconds['eager'] / plan.seconds[name]:.2f}x eager, not kept")
     return plan
 
 
+def _reuses(name: str) -> bool:
+    return "reuse_memory" in name.split("+")
+
+
+def _order(name: str) -> tuple[int, int]:
+    """Singles before pairs, each in ``CANDIDATES``' order: a pair's parts are judged first."""
+    parts = name.split("+")
+    return len(parts), CANDIDATES.index(parts[0]) if parts[0] in CANDIDATES else -1
+
+
 def apply_layout(module: nn.Module, plan: FastPath) -> None:
-    """Convert the parameters in place (the optimizer keeps the same ``Parameter`` objects)."""
+    """Convert the parameters in place (the optimizer keeps the same ``Parameter`` objects), and
+    set the allocator for the rest of the process when ``reuse_memory`` was chosen."""
     if plan.channels_last:
         module.to(memory_format=torch.channels_last)
+        _channels_last_edges(module)
+    if plan.reuse_memory:
+        reuse_memory(True)
 
 
 def _run(module: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> torch.Tensor:
@@ -144,6 +199,16 @@ def _grads(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: C
     out = _run(run, example, autocast)
     out.sum().backward()
     return [out.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros(()) for p in module.parameters()]
+
+
+def _check(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any], reference: list[torch.Tensor], low_precision: bool) -> str | None:
+    """Why ``run`` is not to be kept, or None: it fails on the batch (a ``view`` of a
+    channels_last activation, an op ``torch.compile`` cannot take), or computes differently."""
+    try:
+        got = _grads(module, run, example, autocast)
+    except Exception as error:  # noqa: BLE001 -- any failure of a candidate only refuses it
+        return f"fails on the example batch ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}), not kept"
+    return _difference(reference, got, tolerance=2e-2 if low_precision else 1e-4)
 
 
 def _timed(run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> float:
@@ -184,10 +249,74 @@ def _layout(module: nn.Module, channels_last: bool) -> Iterator[None]:
         yield
         return
     module.to(memory_format=torch.channels_last)
+    hooks = _channels_last_edges(module)
     try:
         yield
     finally:
+        for hook in hooks:
+            hook.remove()
         module.to(memory_format=torch.contiguous_format)
+
+
+def _channels_last_edges(module: nn.Module) -> list[Any]:
+    hooks = [module.register_forward_pre_hook(_batch_channels_last)]
+    return hooks + [m.register_forward_pre_hook(_gradient_channels_last) for m in module.modules() if isinstance(m, nn.Flatten)]
+
+
+def _batch_channels_last(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.contiguous(memory_format=torch.channels_last) if isinstance(a, torch.Tensor) and a.dim() == 4 else a for a in args)
+
+
+def _gradient_channels_last(module: nn.Module, args: tuple) -> None:
+    if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 4 and args[0].requires_grad:
+        args[0].register_hook(_channels_last)  # the gradient that reaches the layer before
+
+
+def _channels_last(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous(memory_format=torch.channels_last)
+
+
+# glibc's malloc serves a block above its threshold by mmap and unmaps it at free, and trims
+# the top of its heap beyond another: so each step faults its activations' pages in afresh.
+# The threshold slides up to 32 MiB as such blocks are freed, until a mallopt(3) fixes it.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
+KEEP = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}  # no mmap, no trim: freed memory serves the next step
+SLID = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20}  # where glibc's thresholds slide to
+_reusing = False  # process-wide, as the allocator is
+
+
+def reuse_memory(on: bool) -> None:
+    """Keep freed memory in the process for the next step (``on``), or not: then glibc's
+    thresholds are fixed where they slide to, as it cannot be given their sliding back."""
+    global _reusing
+    if _memory_refusal():
+        raise RuntimeError(f"reuse_memory cannot be set here: {_memory_refusal()}")
+    for parameter, value in (KEEP if on else SLID).items():
+        _glibc().mallopt(parameter, value)
+    _reusing = on
+
+
+@functools.cache
+def _glibc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.gnu_get_libc_version  # musl has no such function, and other mallopt parameters
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _memory_refusal() -> str | None:
+    """Why this process's allocator is not glibc's to set, or None."""
+    if _glibc() is None:
+        return "it sets glibc's malloc, and this process has no glibc"
+    tuned = [k for k in os.environ if k.startswith("MALLOC_")]
+    tuned += [k for k in ("LD_PRELOAD", "GLIBC_TUNABLES") if "malloc" in os.environ.get(k, "")]
+    if tuned:
+        return f"the process sets its allocator already ({', '.join(sorted(tuned))}), which it would override"
+    return None
 
 
 @contextmanager

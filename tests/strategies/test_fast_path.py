@@ -49,10 +49,39 @@ def test_channels_last_when_faster_trains_as_eager_does(monkeypatch, capsys):
         assert torch.allclose(fast.state_dict()[key], value, rtol=1e-5, atol=1e-6), key
 
 
-def test_a_candidate_that_is_not_faster_is_not_kept_and_the_line_says_why(monkeypatch):
+def test_channels_last_edges_take_the_batch_once_and_give_flattens_gradient_back_channels_last(monkeypatch, capsys):
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 if next(run.parameters()).is_contiguous() else 0.5)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 3 * 3, 3))
+    x = batches(1)[0][0]
+    model = loom.OneDeviceStrategy(device="cpu").prepare(net, fast_path=["channels_last"], example_input=x)
+    assert capsys.readouterr().out.startswith("loom: fast path channels_last, 2.00x eager")
+    seen = {}
+    net[0].register_forward_hook(lambda m, args, out: seen.update(batch=args[0]))
+    net[1].register_full_backward_hook(lambda m, grad_in, grad_out: seen.update(grad=grad_out[0]))
+    model(x).sum().backward()
+    assert not x.is_contiguous(memory_format=torch.channels_last)
+    for tensor in (seen["batch"], seen["grad"]):
+        assert tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
+
+
+def test_a_candidate_that_is_not_faster_or_fails_is_not_kept_and_the_line_says_why(monkeypatch):
     monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0)
-    plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    net = convnet()
+    plan = fast_path.choose(net, batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
     assert plan.name == "eager" and plan.rejected == {"channels_last": "1.00x eager, not kept"}
+    assert not any(m._forward_pre_hooks for m in net.modules())  # the trial's hooks are gone
+
+    class Viewing(nn.Module):  # .view of an activation, which channels_last cannot take
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.linear = nn.Conv2d(3, 2, 3), nn.Linear(2 * 4 * 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.linear(self.conv(x).view(len(x), -1))
+
+    plan = fast_path.choose(Viewing(), batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.rejected["channels_last"].startswith("fails on the example batch (RuntimeError: view size is not compatible")
     mlp = fast_path.choose(nn.Linear(4, 2), torch.randn(3, 4), ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
     assert mlp.line().endswith("; channels_last: no 2-D convolution")
 
@@ -66,8 +95,59 @@ def test_bad_fast_path_options_get_one_line():
     strategy = loom.OneDeviceStrategy(device="cpu")
     with pytest.raises(ValueError, match=r"^prepare\(fast_path=...\) measures the model on a batch: pass example_input="):
         strategy.prepare(convnet(), fast_path=True)
-    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, compile; got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, compile, reuse_memory; got 'fast'$"):
         strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
+
+
+@pytest.fixture
+def allocator():
+    """The process's allocator is set back after a test that lets the trial set it."""
+    yield
+    if fast_path._reusing:
+        fast_path.reuse_memory(False)
+
+
+def _faults_of_a_64mib_block_made_again() -> int:
+    import resource
+
+    for _ in range(3):  # 64 MiB, above glibc's mmap threshold: unmapped at free unless memory is kept
+        torch.ones(16 << 20)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.ones(16 << 20)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def test_reuse_memory_pairs_with_channels_last_only_when_the_pair_is_faster_and_then_keeps_freed_memory(monkeypatch, capsys, allocator):
+    def timed(run, example, autocast):  # reuse_memory 1.25x, channels_last 2x, both 2.5x
+        weight = next(run.parameters())
+        return (1.0 if weight.is_contiguous(memory_format=torch.channels_last) and not weight.is_contiguous() else 2.0) / (2.0 if fast_path._reusing else 1.6)
+
+    monkeypatch.setattr(fast_path, "_timed", timed)
+    assert _faults_of_a_64mib_block_made_again() > 10_000  # 16,384 pages of 4 KiB
+    strategy = loom.OneDeviceStrategy(device="cpu")
+    model = strategy.prepare(convnet(), fast_path=["channels_last", "reuse_memory"], example_input=batches(1)[0][0])
+    assert capsys.readouterr().out == (
+        "loom: fast path channels_last+reuse_memory, 2.50x eager (forward+backward on the example batch: eager 1250.0 ms, "
+        "channels_last 625.0 ms, reuse_memory 1000.0 ms, channels_last+reuse_memory 500.0 ms)\n"
+    )
+    assert loom.unwrap(model)[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert fast_path._reusing and _faults_of_a_64mib_block_made_again() < 1_000
+    again = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert again.rejected == {"reuse_memory": "this process reuses memory already (an earlier prepare chose it)"} and fast_path._reusing
+    fast_path.reuse_memory(False)  # the next trial starts from a process that does not keep memory
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 / (1.04 if fast_path._reusing else 1.0))
+    plan = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.name == "eager" and plan.rejected == {"reuse_memory": "1.04x eager, not kept"}
+    assert not fast_path._reusing and _faults_of_a_64mib_block_made_again() > 10_000  # the trial set the allocator back
+
+
+def test_reuse_memory_is_refused_where_the_process_sets_its_allocator(monkeypatch, allocator):
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last", "reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.rejected["reuse_memory"] == "the process sets its allocator already (MALLOC_ARENA_MAX), which it would override"
+    assert sorted(plan.seconds) == ["channels_last", "eager"] and not fast_path._reusing
+    with pytest.raises(RuntimeError, match=r"^reuse_memory cannot be set here: the process sets its allocator already \(MALLOC_ARENA_MAX\)"):
+        fast_path.reuse_memory(True)
 
 
 def _one_rank_refuses_channels_last() -> tuple[dict[str, str], list[str]]:
