@@ -73,7 +73,7 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
         if config == "channels_last":  # the layout alone, without the fast path's edges
             model = model.to(memory_format=torch.channels_last)
         if "fast path" in config:
-            fast_path.apply_layout(model, fast_path.FastPath(channels_last=True, reuse_memory=True))
+            fast_path.apply(model, fast_path.FastPath(channels_last=True, reuse_memory=True))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         bf16 = config.startswith("bf16")
 

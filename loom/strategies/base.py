@@ -30,7 +30,7 @@ from loom import comm
 from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
-from loom.strategies.fast_path import apply_layout, check_candidates as fast_path_candidates, choose as choose_fast_path
+from loom.strategies.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
@@ -106,7 +106,7 @@ class Strategy(ABC):
 
         The module passed in stays usable and holds the trained parameters (``loom.unwrap``
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
-        ``fast_path=True`` times channels_last and torch.compile against eager on
+        ``fast_path=True`` times channels_last, torch.compile and reuse_memory against eager on
         ``example_input`` (one batch of this replica's inputs), keeps the fastest that computes
         the same, and says which in one line (``loom.strategies.fast_path``).
         """
@@ -123,7 +123,7 @@ class Strategy(ABC):
             plan = None
             if candidates:
                 plan = choose_fast_path(module, example_input.to(self.device), candidates, self.precision.autocast, self.precision.dtype is not None)
-                apply_layout(module, plan)
+                apply_fast_path(module, plan)
                 self.print(plan.line())
             inner = self._wrap_model(module)
             if plan is not None and plan.compile:  # around DDP, so its buckets still overlap the backward

@@ -98,7 +98,7 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
     ``autocast()`` is the strategy's precision context (``low_precision`` when it computes in
     bf16 or fp16: then a candidate may differ from eager by as much as those round). A program
     of two parts (``reuse_memory`` with another) is kept only if it beats the best single one by
-    ``MIN_GAIN``. The module is left as it was found: apply the choice with ``apply_layout``
+    ``MIN_GAIN``. The module is left as it was found: apply the choice with ``apply``
     (before wrapping) and ``torch.compile`` (after).
     """
     if not isinstance(example, torch.Tensor):
@@ -178,7 +178,7 @@ def _order(name: str) -> tuple[int, int]:
     return len(parts), CANDIDATES.index(parts[0]) if parts[0] in CANDIDATES else -1
 
 
-def apply_layout(module: nn.Module, plan: FastPath) -> None:
+def apply(module: nn.Module, plan: FastPath) -> None:
     """Convert the parameters in place (the optimizer keeps the same ``Parameter`` objects), and
     set the allocator for the rest of the process when ``reuse_memory`` was chosen."""
     if plan.channels_last:
