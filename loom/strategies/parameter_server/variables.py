@@ -128,14 +128,14 @@ class ShardedVariables:
 
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``table`` (ids unique), each from the server holding it."""
-        parts = self.placement.rows_by_server(table, ids)
+        parts = self._split(table, ids)
         requests = {s: ({"op": "pull_rows", "table": table}, {"ids": local}) for s, (_, local) in enumerate(parts) if len(local)}
         replies = self._fan_out(requests or {0: ({"op": "pull_rows", "table": table}, {"ids": ids})})  # no ids: asked for the row shape
         first = next(iter(replies.values()))[1]["rows"]
         rows = torch.empty(len(ids), *first.shape[1:], dtype=first.dtype)
         for s, (positions, _) in enumerate(parts):
             if s in replies:
-                rows[positions] = replies[s][1]["rows"]
+                rows.index_copy_(0, positions, replies[s][1]["rows"])
         return rows
 
     def push(
