@@ -3,22 +3,32 @@
 Transient failures (the server is restarting, a connection dropped) are retried with
 backoff until ``patience`` runs out; then the error names the server, so a worker says which
 server it lost instead of hanging.
+
+A training step's requests (pushes, commits, reads: each safe to send twice) go over one
+long-lived stream to the server rather than a call each: a gRPC call from Python starts a
+thread and costs about a millisecond of CPU on each side, several times a message on an open
+stream (bench/parameter_server.py). A stream lives at most ``deadline`` seconds, so a server
+that hangs is noticed as a call's deadline notices it; a stream that breaks is reopened, and
+its request sent again as a call.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 import torch
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import METHOD, SERVICE, TOKEN_KEY
+from loom.strategies.parameter_server.server import METHOD, SERVICE, STREAM, TOKEN_KEY
 from loom.strategies.parameter_server.transport import TLS, client_channel
 from loom.strategies.parameter_server.wire import decode, encode
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+STREAMED = frozenset({"push", "commit", "pull", "pull_rows"})  # answered at once, and idempotent (sent again on a new stream)
 
 
 class ServerUnavailableError(LoomError):
@@ -36,14 +46,44 @@ class ServerClient:
         self.bytes_received = 0
         self._channel = client_channel(address, tls or TLS.from_env())
         self._call = self._channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        self._open = self._channel.stream_stream(f"/{SERVICE}/{STREAM}")
+        self._stream: _Stream | None = None
+        self._streaming = threading.Lock()  # held from a streamed request until its reply is read
 
     def call(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return self.send(fields, tensors).result()
 
     def send(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> Reply:
-        """Send a request without waiting for its reply, so that one thread has several out at once."""
+        """Send a request without waiting for its reply, so that one thread has several out at once
+        (to different servers; a second request to this one while the first is out goes as a call)."""
         request = encode(fields, tensors)
+        if fields.get("op") in STREAMED and self._streaming.acquire(blocking=False):
+            stream = self._current_stream()
+            stream.requests.put(request)
+            return Reply(self, fields, request, stream=stream)
         return Reply(self, fields, request, self._call.future(request, timeout=self.deadline, metadata=((TOKEN_KEY, self.token),)))
+
+    def _current_stream(self) -> _Stream:
+        """The open stream, or a new one when there is none or it is half its life old."""
+        if self._stream is None or time.monotonic() > self._stream.renew_at:
+            self._drop_stream()
+            requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+            replies = self._open(iter(requests.get, None), timeout=self.deadline, metadata=((TOKEN_KEY, self.token),))
+            self._stream = _Stream(requests, replies, time.monotonic() + self.deadline / 2)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.requests.put(None)  # the server's end of it finishes
+            self._stream.replies.cancel()
+            self._stream = None
+
+    def _resend(self, fields: dict[str, Any], request: bytes) -> bytes:
+        """A streamed request whose stream broke, sent again as a call."""
+        try:
+            return self._call(request, timeout=self.deadline, metadata=((TOKEN_KEY, self.token),))
+        except grpc.RpcError as error:
+            return self._retry(fields, request, error)
 
     def _retry(self, fields: dict[str, Any], request: bytes, error: grpc.RpcError) -> bytes:
         """Send ``request`` again until it is answered, with backoff, or raise a clear error."""
@@ -70,20 +110,44 @@ class ServerClient:
                 error = again
 
     def close(self) -> None:
+        self._drop_stream()
         self._channel.close()
+
+
+class _Stream:
+    def __init__(self, requests: queue.SimpleQueue, replies: Any, renew_at: float) -> None:
+        self.requests, self.replies, self.renew_at = requests, replies, renew_at
 
 
 class Reply:
     """A request on its way; ``result()`` waits for the reply (retrying as ``call`` does)."""
 
-    def __init__(self, client: ServerClient, fields: dict[str, Any], request: bytes, future: grpc.Future) -> None:
-        self.client, self.fields, self.request, self.future = client, fields, request, future
+    def __init__(self, client: ServerClient, fields: dict[str, Any], request: bytes, future: grpc.Future | None = None,
+                 stream: _Stream | None = None) -> None:  # fmt: skip
+        self.client, self.fields, self.request, self.future, self.stream = client, fields, request, future, stream
 
     def result(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        try:
-            reply = self.future.result()
-        except grpc.RpcError as error:
-            reply = self.client._retry(self.fields, self.request, error)
+        if self.stream is not None:
+            reply = self._streamed(self.stream)
+        else:
+            try:
+                reply = self.future.result()
+            except grpc.RpcError as error:
+                reply = self.client._retry(self.fields, self.request, error)
         self.client.bytes_sent += len(self.request)
         self.client.bytes_received += len(reply)
         return decode(reply)
+
+    def _streamed(self, stream: _Stream) -> bytes:
+        """The stream's next reply (the server answers a stream's requests in order); if the
+        stream broke or ended, the request again as a call, and a new stream next time."""
+        try:
+            replies: Iterator[bytes] = stream.replies
+            return next(replies)
+        except (grpc.RpcError, StopIteration):
+            if self.client._stream is stream:
+                self.client._drop_stream()
+            return self.client._resend(self.fields, self.request)
+        finally:
+            self.stream = None
+            self.client._streaming.release()

@@ -17,6 +17,7 @@ row is pushed; the step count (Adam's bias correction) is the table's, counted o
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,15 +99,16 @@ class ServerOptimizer:
         slots = self.state.setdefault(key, {"step": 0})
         if not _tensor_slots(slots):
             slots.update(_fresh_slots(self.kind, table, hyper))
-        view = table[unique]  # a copy: stepped on its own, then written back
+        view = table.index_select(0, unique)  # a copy: stepped on its own, then written back
         optimizer = _build(self.kind, view, hyper)
-        optimizer.state[view] = {**{k: v[unique] for k, v in _tensor_slots(slots).items()}, "step": torch.tensor(float(slots["step"]))}
+        rowwise = _tensor_slots(slots)
+        optimizer.state[view] = {**{k: v.index_select(0, unique) for k, v in rowwise.items()}, "step": torch.tensor(float(slots["step"]))}
         view.grad = summed
         optimizer.step()
-        table[unique] = view
+        table.index_copy_(0, unique, view)  # index_select/index_copy_: several times faster than tensor indexing
         for name, value in optimizer.state[view].items():
-            if name != "step":
-                slots[name][unique] = value
+            if name in rowwise:
+                rowwise[name].index_copy_(0, unique, value)
         slots["step"] += 1
 
     def _keep(self, key: str, torch_state: dict[str, Any]) -> None:
@@ -118,10 +120,16 @@ class ServerOptimizer:
 def _build(kind: str, param: torch.Tensor, hyper: dict[str, Any]) -> torch.optim.Optimizer:
     """torch's optimizer for one tensor; options its constructor does not take (AdamW's
     ``decoupled_weight_decay``) go straight into the group."""
-    accepted = inspect.signature(RULES[kind].__init__).parameters
+    accepted = _accepted(kind)
     optimizer = RULES[kind]([param], **{k: v for k, v in hyper.items() if k in accepted})
     optimizer.param_groups[0].update(hyper)
     return optimizer
+
+
+@functools.cache
+def _accepted(kind: str) -> frozenset[str]:
+    """The options the rule's constructor takes (read once: a lazy-rows step builds an optimizer each push)."""
+    return frozenset(inspect.signature(RULES[kind].__init__).parameters)
 
 
 def _tensor_slots(slots: dict[str, Any]) -> dict[str, torch.Tensor]:

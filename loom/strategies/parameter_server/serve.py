@@ -3,7 +3,9 @@
 The job's token comes from ``LOOM_PS_TOKEN`` (not the command line, where other users of the
 machine could read it). With ``--checkpoint FILE`` the server saves its state every
 ``--checkpoint-every`` seconds and on SIGTERM, and a server started again resumes from it:
-the pushes since the last save are lost, those before it stay applied exactly once. With
+the pushes since the last save are lost, those before it stay applied exactly once. A save
+that takes long (a large shard) spaces the next ones out, so that saving stays under
+1/``SAVE_SHARE`` of the server's time instead of keeping a core busy and the variables locked. With
 ``--workers M`` it exits once every worker's launcher has said that worker is done for good;
 ``--restarted`` (a restart within the same run) keeps what it knew of that from its checkpoint.
 With ``LOOM_PS_TLS_CERT`` and ``LOOM_PS_TLS_KEY`` (PEM files) it accepts TLS connections only.
@@ -22,6 +24,8 @@ from loom.errors import LoomError
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.transport import TLS
 
+SAVE_SHARE = 20  # a save waits at least this many times as long as the last one took
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -29,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--index", type=int, default=0, help="this server's number in the job, for messages")
     parser.add_argument("--checkpoint", help="file to save the server's state to, and resume from")
-    parser.add_argument("--checkpoint-every", type=float, default=10.0, help="seconds between saves")
+    parser.add_argument("--checkpoint-every", type=float, default=10.0, help=f"seconds between saves (at least {SAVE_SHARE}x the last save's time)")
     parser.add_argument("--workers", type=int, help="exit once this many workers (and any that joined) have finished")
     parser.add_argument("--restarted", action="store_true", help="a restart within this run: keep which workers finished")
     args = parser.parse_args(argv)
@@ -58,12 +62,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f"loom: parameter server {args.index}: every worker has finished; exiting", flush=True)
             break
         if args.checkpoint and server.created and time.monotonic() >= next_save:
+            started = time.monotonic()
             server.save(args.checkpoint)
-            next_save = time.monotonic() + args.checkpoint_every
+            next_save = time.monotonic() + save_interval(args.checkpoint_every, time.monotonic() - started)
     if args.checkpoint and server.created:
         server.save(args.checkpoint)
     server.stop()
     return 0
+
+
+def save_interval(every: float, took: float) -> float:
+    """Seconds until the next save: ``every``, or longer after a save that took ``took`` seconds."""
+    return max(every, SAVE_SHARE * took)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from typing import Any
+from typing import Any, Iterator
 
 import grpc
 import torch
@@ -31,7 +31,7 @@ from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
-SERVICE, METHOD = "loom.ParameterServer", "Call"
+SERVICE, METHOD, STREAM = "loom.ParameterServer", "Call", "Stream"  # a call per request, or a stream of them (client.py)
 TOKEN_KEY = "loom-token"
 CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.py)
 LINEAGE_KEPT = 100
@@ -157,8 +157,8 @@ class ParameterServer:
     def _read_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         if table not in self.tables:
             raise WireError(f"no table '{table}' here")
-        with self._locks[table]:  # indexing by a tensor copies the rows
-            return self.tables[table][ids]
+        with self._locks[table]:  # a copy of the rows
+            return self.tables[table].index_select(0, ids)
 
     def _read_many(self, names: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Dense parameters ``names``, and for each ``ids/<table>`` those rows as ``rows/<table>``."""
@@ -427,8 +427,20 @@ class ParameterServer:
 
     # ---- serving -------------------------------------------------------------------------------
     def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        self._admit(context)
+        return self._answer(request, context)
+
+    def _stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        """A worker's stream of requests, answered in order; a bad one ends the stream with its error."""
+        self._admit(context)
+        for request in requests:
+            yield self._answer(request, context)
+
+    def _admit(self, context: grpc.ServicerContext) -> None:
         if dict(context.invocation_metadata()).get(TOKEN_KEY) != self.token:
             context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")
+
+    def _answer(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             fields, tensors = decode(request)
             reply_fields, reply_tensors = self.handle(fields, tensors)
@@ -439,11 +451,13 @@ class ParameterServer:
     def serve(self, port: int, host: str = "127.0.0.1", workers: int | None = None, tls: TLS | None = None) -> int:
         """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port.
 
-        A worker waiting for a synchronous round or a collective holds a thread, so the pool
-        has one per worker (``workers``) and some to spare. ``tls``: accept TLS only.
+        Each worker's stream holds a thread, and so does a worker waiting for a synchronous round
+        or a collective, so the pool has two per worker (``workers``) and some to spare.
+        ``tls``: accept TLS only.
         """
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool_size(workers)), options=channel_options())
-        handler = grpc.method_handlers_generic_handler(SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(self._call)})
+        methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._call), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
+        handler = grpc.method_handlers_generic_handler(SERVICE, methods)
         self._server.add_generic_rpc_handlers((handler,))
         bound = listen(self._server, f"{host}:{port}", tls)
         if bound == 0:

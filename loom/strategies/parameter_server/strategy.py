@@ -63,11 +63,13 @@ class RemoteEmbedding(nn.Module):
         self.trained = trained and local.weight.requires_grad
         self.variables = variables  # not a submodule: a copy of the model shares it
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
-        self.ahead: deque[list[Any]] = deque(maxlen=2)  # [unique ids, their rows once read] of the batches to come
+        # [unique ids, their rows once read, the batch's ids, their places among the unique] of the batches to come
+        self.ahead: deque[list[Any]] = deque(maxlen=2)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Have the next read from the servers (the step's commit) bring the rows ``ids`` needs."""
-        self.ahead.append([torch.unique(ids), None])
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        self.ahead.append([unique, None, ids.clone(), inverse])
 
     def wanted(self) -> torch.Tensor | None:
         """The ids of the newest prefetch not yet read, if any."""
@@ -76,15 +78,22 @@ class RemoteEmbedding(nn.Module):
     def prefetched(self, rows: torch.Tensor) -> None:
         self.ahead[-1][1] = rows
 
-    def _rows(self, unique: torch.Tensor) -> torch.Tensor:
-        """The prefetched rows when they are these ids' (those asked for before them are dropped);
-        else pulled now. A prefetch for the batch after this one stays."""
-        for i, (ids, rows) in enumerate(self.ahead):
-            if rows is not None and torch.equal(ids, unique):
+    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The unique ids, each id's place among them, and their rows: prefetched when read for
+        these ids (prefetches asked for before them are dropped), else pulled now. A prefetch
+        for the batch after this one stays."""
+        for i, (unique, rows, batch, inverse) in enumerate(self.ahead):
+            if rows is not None and batch.shape == ids.shape and torch.equal(batch, ids):  # the unique ids without sorting again
                 for _ in range(i + 1):
                     self.ahead.popleft()
-                return rows
-        return self.variables.pull_rows(self.name, unique)
+                return unique, inverse, rows
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        for i, (prefetched, rows, _, _) in enumerate(self.ahead):
+            if rows is not None and torch.equal(prefetched, unique):
+                for _ in range(i + 1):
+                    self.ahead.popleft()
+                return unique, inverse, rows
+        return unique, inverse, self.variables.pull_rows(self.name, unique)
 
     def local_like(self, weight: torch.Tensor) -> nn.Module:
         """The plain module this one replaced, holding ``weight`` (for a checkpoint)."""
@@ -94,8 +103,7 @@ class RemoteEmbedding(nn.Module):
         return nn.Embedding.from_pretrained(weight, **options)
 
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        unique, local_ids = torch.unique(ids, return_inverse=True)
-        rows = self._rows(unique)
+        unique, local_ids, rows = self._lookup(ids)
         if torch.is_grad_enabled() and self.trained:  # kept for the push; evaluation keeps nothing
             self.touched.append((unique, rows.requires_grad_()))
         padding = None  # the padding row's place among the pulled rows, if the batch has it
@@ -113,6 +121,8 @@ class RemoteEmbedding(nn.Module):
         self.touched = []
         if not parts:
             return None
+        if len(parts) == 1:  # the ids as read: the push splits them among the servers as the read did
+            return parts[0]
         return torch.cat([ids for ids, _ in parts]), torch.cat([g for _, g in parts])
 
 

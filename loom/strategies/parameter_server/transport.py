@@ -36,9 +36,9 @@ def chunk_bytes() -> int:
 
 
 def pool_size(workers: int | None) -> int:
-    """Threads for a server: a worker makes one call at a time to a server, and a synchronous
-    worker's call waits for its round, so one thread per worker keeps any call from queueing."""
-    return max(MIN_THREADS, (workers or 0) + SPARE_THREADS)
+    """Threads for a server: each worker's stream holds one (client.py), and a worker makes one
+    call at a time besides, which may wait for its round, so two per worker keep any call from queueing."""
+    return max(MIN_THREADS, 2 * (workers or 0) + SPARE_THREADS)
 
 
 @dataclass(frozen=True)

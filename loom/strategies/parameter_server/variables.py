@@ -9,6 +9,7 @@ that dies mid-push leaves nothing half-applied that its launcher cannot settle.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ class ShardedVariables:
         self.index = index
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
+        self._splits: deque[tuple[str, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = deque(maxlen=4)
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
@@ -39,6 +41,16 @@ class ShardedVariables:
             if "version" in fields:
                 self.versions[s] = fields["version"]
         return replies
+
+    def _split(self, table: str, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``placement.rows_by_server``, kept for the last few id tensors: a step reads the next
+        batch's rows, places them, then pushes their gradients, all with the same ids."""
+        for name, known, parts in self._splits:
+            if known is ids and name == table:
+                return parts
+        parts = self.placement.rows_by_server(table, ids)
+        self._splits.append((table, ids, parts))
+        return parts
 
     @property
     def bytes_moved(self) -> int:
@@ -93,7 +105,7 @@ class ShardedVariables:
         for server, held in self._by_server(names).items():
             reads.setdefault(server, ([], {}))[0].extend(held)
         for table, ids in rows.items():
-            for server, (_, local) in enumerate(self.placement.rows_by_server(table, ids)):
+            for server, (_, local) in enumerate(self._split(table, ids)):
                 if len(local):
                     reads.setdefault(server, ([], {}))[1][f"ids/{table}"] = local
         return reads
@@ -103,27 +115,27 @@ class ShardedVariables:
         dense = {name: value for tensors in replies.values() for name, value in tensors.items() if not name.startswith("rows/")}
         tables = {}
         for table, ids in rows.items():
-            parts = self.placement.rows_by_server(table, ids)
+            parts = self._split(table, ids)
             first = next((t[f"rows/{table}"] for t in replies.values() if f"rows/{table}" in t), None)
             if first is None:  # no ids asked for
                 continue
             out = torch.empty(len(ids), *first.shape[1:], dtype=first.dtype)
             for s, (positions, _) in enumerate(parts):
                 if len(positions):
-                    out[positions] = replies[s][f"rows/{table}"]
+                    out.index_copy_(0, positions, replies[s][f"rows/{table}"])
             tables[table] = out
         return dense, tables
 
     def pull_rows(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of ``table`` (ids unique), each from the server holding it."""
-        parts = self.placement.rows_by_server(table, ids)
+        parts = self._split(table, ids)
         requests = {s: ({"op": "pull_rows", "table": table}, {"ids": local}) for s, (_, local) in enumerate(parts) if len(local)}
         replies = self._fan_out(requests or {0: ({"op": "pull_rows", "table": table}, {"ids": ids})})  # no ids: asked for the row shape
         first = next(iter(replies.values()))[1]["rows"]
         rows = torch.empty(len(ids), *first.shape[1:], dtype=first.dtype)
         for s, (positions, _) in enumerate(parts):
             if s in replies:
-                rows[positions] = replies[s][1]["rows"]
+                rows.index_copy_(0, positions, replies[s][1]["rows"])
         return rows
 
     def push(
@@ -162,10 +174,10 @@ class ShardedVariables:
         for name, grad in dense_grads.items():
             share(self.placement.dense[name])[f"grad/{name}"] = grad
         for name, (ids, grads) in row_grads.items():
-            for s, (positions, local) in enumerate(self.placement.rows_by_server(name, ids)):
+            for s, (positions, local) in enumerate(self._split(name, ids)):
                 if len(local) or every_shard:
                     share(s)[f"rowids/{name}"] = local
-                    share(s)[f"rowgrad/{name}"] = grads[positions]
+                    share(s)[f"rowgrad/{name}"] = grads.index_select(0, positions)
         parts = sorted(requests)
         for fields, _ in requests.values():
             fields["parts"] = parts  # so that a dead worker's launcher can tell a whole push from a half one

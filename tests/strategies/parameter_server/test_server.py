@@ -191,3 +191,11 @@ def test_a_commit_the_server_lost_in_a_restart_asks_for_the_push_again(served, t
     assert restarted.handle({"op": "commit", "worker": "w0", "seq": 0}, {})[0] == {"applied": False, "missing": False}
     _, pulled = client.call({"op": "commit", "worker": "w0", "seq": 0, "names": ["w"]})  # commit, then read
     assert torch.equal(pulled["w"], torch.full((2, 3), 0.5)) and torch.equal(restarted.dense["w"], pulled["w"])
+
+
+def test_a_slow_save_spaces_out_the_next_ones():
+    """A large shard that takes 0.5 s to save is saved every 10 s, not every 2 s: saving stays under 1/20 of the time."""
+    from loom.strategies.parameter_server.serve import save_interval
+
+    assert save_interval(2.0, 0.01) == 2.0
+    assert save_interval(2.0, 0.5) == 10.0

@@ -1,4 +1,4 @@
-"""TLS between workers and servers, and a server's thread pool sized by its workers."""
+"""TLS between workers and servers, a worker's stream of requests, and a server's thread pool sized by its workers."""
 
 import subprocess
 import threading
@@ -94,3 +94,33 @@ def test_workers_waiting_for_a_round_do_not_queue_the_others_calls():
         c.close()
     server.stop()
     assert took < 0.3, f"the pull waited {took:.2f}s for a free thread"
+
+
+def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is_renewed():
+    """Pushes, commits and reads ride one stream per server (not a call each); a stream broken by
+    a server restart is reopened (its request sent again), and one half its deadline old is renewed."""
+    port, opened = free_port(), []
+
+    def serving(value):
+        server = ParameterServer("job-token", {"w": torch.full((2,), value)})
+        answer = server._stream
+        server._stream = lambda requests, context: (opened.append(value), (yield from answer(requests, context)))[1]
+        server.serve(port)
+        return server
+
+    first = serving(1.0)
+    client = ServerClient(f"127.0.0.1:{port}", "job-token", deadline=1.0, patience=10)
+    for _ in range(3):
+        assert torch.equal(client.call({"op": "pull", "names": ["w"]})[1]["w"], torch.ones(2))
+    client.call({"op": "stats"})  # not a step's request: a call of its own
+    assert opened == [1.0]
+    first.stop()
+    second = serving(2.0)
+    assert torch.equal(client.call({"op": "pull", "names": ["w"]})[1]["w"], torch.full((2,), 2.0))
+    client.call({"op": "pull", "names": ["w"]})
+    assert opened == [1.0, 2.0]
+    time.sleep(0.6)  # past half the stream's deadline
+    client.call({"op": "pull", "names": ["w"]})
+    assert opened == [1.0, 2.0, 2.0]
+    client.close()
+    second.stop()
