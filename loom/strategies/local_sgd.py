@@ -14,19 +14,34 @@ bytes. It is not the same training as synchronous data parallelism on the global
 does not equal one device, except local SGD with ``sync_every=1`` and a linear optimizer such
 as SGD with momentum); its quality has to be measured (``bench/slow_link.py``).
 
+With ``overlap_sync=True`` DiLoCo does not wait for the replicas at a sync: it sends its
+pseudo-gradient in the background and trains on; the outer step on the mean arrives one period
+late, at the next sync, and replaces this replica's own progress of that period with it while
+keeping the progress made since (the one-period delay of overlapped DiLoCo, Kale et al. 2025;
+Streaming DiLoCo overlaps the same way, Douillard et al. 2025). On a slow link that hides the
+sync's all-reduce behind H inner steps; the price is an outer step one period late, and momentum
+on late steps overshoots more: in ``bench/slow_link.py`` (tiny GPT, H=16) the paper's outer
+step (0.7, 0.9) ended 2.5% above synchronous training's validation loss, and ``outer_lr=0.5``
+0.3% below, as plain DiLoCo's 0.7 did (0.7% below). (Going on from an eager guess, the outer
+step on this replica's own pseudo-gradient, was no better there: 2.8% above.)
+
 Buffers (BatchNorm's running statistics) are each replica's own between syncs, computed on
 its own slice, and replaced by their mean over the replicas at every sync, together with the
 parameters (DiLoCo averages them too: the outer step moves parameters only). Synchronised
 BatchNorm is refused: it would all-reduce in every forward, which the local steps avoid.
 
-``save`` first syncs replicas that have stepped since the last sync, so a checkpoint holds the
-model every replica agrees on and restores under any strategy. The inner optimizers' state is
-rank 0's (as for any replicated optimizer); DiLoCo's outer momentum starts afresh on restore.
+``save`` first syncs replicas that have stepped since the last sync (and, overlapped, applies
+the outer step still in flight), so a checkpoint holds the model every replica agrees on and
+restores under any strategy. The inner optimizers' state is rank 0's (as for any replicated
+optimizer). DiLoCo's outer momentum is saved beside the model, as ``<name>_diloco_outer``, and
+restored with it, so a resumed run goes on as the saved one would have; a checkpoint without it
+(saved under another strategy) starts the outer momentum afresh.
 """
 
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -42,45 +57,143 @@ from loom.strategies.optimizer import StrategyOptimizer
 class Replicas:
     """One prepared model's parameters across replicas: counts inner steps, syncs every ``every``."""
 
-    def __init__(self, module: nn.Module, every: int, outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None) -> None:
-        self.params = [p for p in module.parameters() if p.requires_grad]
+    def __init__(
+        self, module: nn.Module, every: int, outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None, overlap: bool = False
+    ) -> None:
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
         self.buffers = [b for b in module.buffers() if b.is_floating_point()]
         self.every = every
+        self.overlap = overlap
         self.pending = 0  # inner steps since the replicas last met
         self.syncs = 0
+        self.outer_steps = 0
+        self.in_flight: InFlight | None = None  # overlapped: the last period's pseudo-gradient, being averaged
         self._outer_factory = outer
         self.reset()
 
     def reset(self) -> None:
         """Start from the parameters as they are now (after broadcast or restore): they are the anchor."""
+        if self.in_flight is not None:  # a collective once started is finished on every replica
+            self.in_flight.mean()
+            self.in_flight = None
         self.pending = 0
+        self.outer_steps = 0
         if self._outer_factory is None:
-            self.anchor, self.outer = None, None
+            self.anchor, self.outer, self.start = None, None, None
             return
         self.anchor = [p.detach().clone() for p in self.params]
         self.outer = self._outer_factory(self.anchor)
+        self.start = [p.detach().clone() for p in self.params] if self.overlap else None  # where this period began
 
     def stepped(self) -> None:
         self.pending += 1
         if self.pending >= self.every:
-            self.sync()
+            self.sync_overlapped() if self.overlap else self.sync()
+
+    @property
+    def apart(self) -> bool:
+        """Whether the replicas hold models they have not yet agreed on."""
+        return bool(self.pending) or self.in_flight is not None
 
     @torch.no_grad()
     def sync(self) -> None:
-        """Meet the other replicas: average (local SGD) or an outer step on the averaged pseudo-gradient (DiLoCo)."""
+        """Meet the other replicas and agree: average (local SGD) or an outer step on the averaged pseudo-gradient (DiLoCo)."""
         if self.outer is None:
             average(self.params)
         else:
-            for anchor, p in zip(self.anchor, self.params):
-                anchor.grad = anchor - p  # the pseudo-gradient: how far this replica went, reversed
-            average([a.grad for a in self.anchor])
-            self.outer.step()
-            self.outer.zero_grad(set_to_none=True)
+            self._apply_in_flight()
+            if self.pending:
+                for anchor, p in zip(self.anchor, self.params):
+                    anchor.grad = anchor - p  # the pseudo-gradient: how far this replica went, reversed
+                average([a.grad for a in self.anchor])
+                self._outer_step()
             for anchor, p in zip(self.anchor, self.params):
                 p.copy_(anchor)
+            if self.start is not None:
+                for start, p in zip(self.start, self.params):
+                    start.copy_(p)
         average(self.buffers)  # BatchNorm statistics: the replicas' mean
         self.pending = 0
         self.syncs += 1
+
+    @torch.no_grad()
+    def sync_overlapped(self) -> None:
+        """Apply the outer step on the last period's mean, then send this period's pseudo-gradient and go on."""
+        self._apply_in_flight()
+        self.in_flight = InFlight([a - p for a, p in zip(self.anchor, self.params)])  # this period's progress, reversed
+        for start, p in zip(self.start, self.params):
+            start.copy_(p)
+        average(self.buffers)  # small: BatchNorm statistics are still averaged at the sync itself
+        self.pending = 0
+        self.syncs += 1
+
+    def _apply_in_flight(self) -> None:
+        """The outer step on the mean that was in flight; this replica's own progress of that period gives way to it."""
+        if self.in_flight is None:
+            return
+        for anchor, mean in zip(self.anchor, self.in_flight.mean()):
+            anchor.grad = mean
+        self.in_flight = None
+        self._outer_step()
+        for anchor, start, p in zip(self.anchor, self.start, self.params):
+            p.add_(anchor - start)  # the progress since the period ended, on the new anchor
+
+    def _outer_step(self) -> None:
+        self.outer.step()
+        self.outer.zero_grad(set_to_none=True)
+        self.outer_steps += 1
+
+
+
+class InFlight:
+    """Pseudo-gradients being averaged in the background: one flat all-reduce per dtype, waited for on ``mean``."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.shapes = [t.shape for t in tensors]
+        self.dtypes = [t.dtype for t in tensors]
+        self.flat = {dtype: torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype]) for dtype in dict.fromkeys(self.dtypes)}
+        self.works = [dist.all_reduce(flat, group=dist.group.WORLD, async_op=True) for flat in self.flat.values()]
+
+    def mean(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        world = dist.get_world_size()
+        offsets = dict.fromkeys(self.flat, 0)
+        out = []
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = shape.numel()
+            out.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape).div_(world))
+            offsets[dtype] += n
+        return out
+
+
+class OuterState:
+    """DiLoCo's outer momentum in a checkpoint, by parameter name (the anchor is the saved model itself).
+
+    ``loading``: zeros for the buffers ``names`` the checkpoint holds, for DCP to load into.
+    """
+
+    def __init__(self, replicas: Replicas, loading: list[str] | None = None) -> None:
+        self.replicas, self.loading = replicas, loading
+
+    def state_dict(self) -> dict[str, Any]:
+        replicas = self.replicas
+        anchors = dict(zip(replicas.names, replicas.anchor))
+        if self.loading is not None:
+            return {"outer_steps": 0, "names": self.loading, "momentum": {n: torch.zeros_like(anchors[n]) for n in self.loading}}
+        held = {n: replicas.outer.state[a]["momentum_buffer"] for n, a in anchors.items() if "momentum_buffer" in replicas.outer.state.get(a, {})}
+        return {"outer_steps": replicas.outer_steps, "names": list(held), "momentum": held}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        anchors = dict(zip(self.replicas.names, self.replicas.anchor))
+        for name, buffer in state.get("momentum", {}).items():
+            self.replicas.outer.state[anchors[name]]["momentum_buffer"] = buffer.clone()
+        self.replicas.outer_steps = state["outer_steps"]
+
+
+OUTER_SUFFIX = "_diloco_outer"  # a model's outer momentum is saved beside it under this name
 
 
 def average(tensors: list[torch.Tensor]) -> None:
@@ -136,6 +249,8 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         self.sync_every = sync_every
         self._replicas: weakref.WeakKeyDictionary[nn.Module, Replicas] = weakref.WeakKeyDictionary()  # by the user's module
 
+    _overlap_sync = False
+
     def _outer_optimizer(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None:
         return None
 
@@ -143,7 +258,7 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         with torch.no_grad():  # every replica starts from rank 0's model, as DDP's would
             for tensor in [*module.parameters(), *module.buffers()]:
                 comm.broadcast(tensor.data, 0)
-        self._replicas[module] = Replicas(module, self.sync_every, self._outer_optimizer())
+        self._replicas[module] = Replicas(module, self.sync_every, self._outer_optimizer(), self._overlap_sync)
         return module
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, **options: Any) -> Any:
@@ -156,22 +271,34 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         return wrapped, LocalStepOptimizer(opt, self._replicas[model])
 
     def sync(self) -> None:
-        """Meet now, for every prepared model whose replicas stepped since they last met."""
+        """Meet now and agree, for every prepared model whose replicas stepped (or have a sync in flight) since they last agreed."""
         with self._guard():
             for replicas in self._replicas.values():
-                if replicas.pending:
+                if replicas.apart:
                     replicas.sync()
 
+    def _prepared(self, state: dict[str, Any]) -> dict[str, Replicas]:
+        return {name: self._replicas[unwrap(m)] for name, m in state.items() if isinstance(m, nn.Module) and unwrap(m) in self._replicas}
+
     def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        """Sync first: the checkpoint is the model every replica agrees on."""
+        """Sync first: the checkpoint is the model every replica agrees on, with DiLoCo's outer momentum beside it."""
         self.sync()
-        return super().save(directory, **options)
+        outer = {f"{name}{OUTER_SUFFIX}": OuterState(r) for name, r in self._prepared(options).items() if r.outer is not None}
+        return super().save(directory, **options, **outer)
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
         restored = super().restore(directory, **options)
-        for model in options.values():
-            if isinstance(model, nn.Module) and unwrap(model) in self._replicas:
-                self._replicas[unwrap(model)].reset()  # the restored parameters are the new anchor
+        models = self._prepared(options)
+        for replicas in models.values():
+            replicas.reset()  # the restored parameters are the new anchor
+        if restored is None or not any(r.outer is not None for r in models.values()):
+            return restored
+        from loom.checkpoint import layout  # lazy: only on restore
+
+        plain = layout.read_json(Path(restored["path"]) / "loom.json")["plain"]
+        outer = {key: OuterState(r, plain[key]["names"]) for name, r in models.items() if (key := f"{name}{OUTER_SUFFIX}") in plain}
+        if outer:  # saved under DiLoCo: its outer momentum goes on
+            super().restore(restored["path"], **outer)
         return restored
 
     def __repr__(self) -> str:
@@ -184,6 +311,10 @@ class DiLoCoStrategy(LocalSGDStrategy):
     Args:
         sync_every: H, the inner optimizer steps between syncs (the paper uses 500 on LLMs).
         outer_lr, outer_momentum: the outer SGD with Nesterov momentum (the paper's 0.7 and 0.9).
+        overlap_sync: send each sync's pseudo-gradient in the background and train on; its outer
+            step is applied one period late, at the next sync (the module's docstring says how).
+            For slow links, where the sync's all-reduce would otherwise stall every replica; take a
+            smaller outer step with it (``outer_lr=0.5`` kept the benchmark's quality).
         num_replicas, precision, timeout, backend: as for ``MirroredStrategy``.
         sync_batchnorm: refused, as for ``LocalSGDStrategy``.
     """
@@ -193,6 +324,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
         sync_every: int = 50,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
+        overlap_sync: bool = False,
         num_replicas: int | None = None,
         precision: str = "32",
         timeout: float | None = None,
@@ -204,10 +336,14 @@ class DiLoCoStrategy(LocalSGDStrategy):
                 f"DiLoCoStrategy needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr={outer_lr!r}, "
                 f"outer_momentum={outer_momentum!r}"
             )
+        if not isinstance(overlap_sync, bool):
+            raise ValueError(f"DiLoCoStrategy(overlap_sync=...) must be True or False, got {overlap_sync!r}")
         super().__init__(sync_every, num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend, sync_batchnorm=sync_batchnorm)
-        self.outer_lr, self.outer_momentum = outer_lr, outer_momentum
+        self.outer_lr, self.outer_momentum, self._overlap_sync = outer_lr, outer_momentum, overlap_sync
 
     def _outer_optimizer(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
         lr, momentum = self.outer_lr, self.outer_momentum
         return lambda anchor: torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + (", overlap_sync=True)" if self._overlap_sync else ")")

@@ -64,6 +64,8 @@ def test_bad_compression_options_get_one_line():
         loom.DiLoCoStrategy(sync_every=0)
     with pytest.raises(ValueError, match=r"^DiLoCoStrategy needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr=0.7, outer_momentum=1$"):
         loom.DiLoCoStrategy(outer_momentum=1)
+    with pytest.raises(ValueError, match=r"^DiLoCoStrategy\(overlap_sync=...\) must be True or False, got 'yes'$"):
+        loom.DiLoCoStrategy(overlap_sync="yes")
 
 
 def _train(strategy):

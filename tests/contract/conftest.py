@@ -20,11 +20,11 @@ from tests.contract.cases import CASES, run_case, save_reference
 from tests.helpers import ROOT, SCRIPTS, free_port, job_env, loom_run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
-STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco"]
+STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco", "diloco_overlap"]
 if importlib.util.find_spec("torchax") is not None:  # the xla extra
     STRATEGIES.append("tpu")
 # Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
-ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco"]
+ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco", "diloco_overlap"]
 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:

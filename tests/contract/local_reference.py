@@ -5,15 +5,20 @@ optimizer on its own slice and the replicas meet every H steps. So the contract 
 with ``OPTIONS`` (H=2 over 3 steps: one sync, then a step apart) and compares every replica
 with this simulation: two threads, each a one-device replica on its slice, that take turns
 (torch's generator is global, and loom's loaders seed it) and meet at a barrier every H steps and average their parameters (local SGD) or move a shared anchor with
-the outer Nesterov SGD written out here by hand (DiLoCo).
+the outer Nesterov SGD written out here by hand (DiLoCo). Overlapped DiLoCo meets every step
+(H=1, so 3 steps hold two late outer steps and one still in flight): each meeting applies the
+outer step on the previous meeting's mean, moves the progress made since onto it, and posts
+this period's pseudo-gradient.
 """
 
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 import loom
 from loom.strategies.optimizer import StrategyOptimizer
@@ -21,25 +26,30 @@ from tests.contract import cases
 
 SYNC_EVERY = 2
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCoStrategy's defaults
-OPTIONS: dict[str, dict[str, Any]] = {"local_sgd": {"sync_every": SYNC_EVERY}, "diloco": {"sync_every": SYNC_EVERY}}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "local_sgd": {"sync_every": SYNC_EVERY},
+    "diloco": {"sync_every": SYNC_EVERY},
+    "diloco_overlap": {"sync_every": 1, "overlap_sync": True},
+}
+REGISTERED = {"diloco_overlap": "diloco"}  # the contract's name for a strategy with options -> the registry's name
 LOCAL = tuple(OPTIONS)
+OUTER = ("diloco", "diloco_overlap")
 SIMULATED = ("sgd_momentum", "adamw_weight_decay", "eager_loop", "bf16_mixed", "fp16_mixed", "accumulate_in_step",
              "accumulate_eager", "clipping", "step_lr")  # fmt: skip
 REPLICAS = 2
 
 
 class Meeting:
-    """Where the two replica threads meet every ``SYNC_EVERY`` optimizer steps."""
+    """Where the two replica threads meet every ``every`` optimizer steps."""
 
-    def __init__(self, outer: bool) -> None:
-        self.outer = outer
+    def __init__(self, outer: bool, every: int = SYNC_EVERY, late: bool = False) -> None:
+        self.outer, self.every, self.late = outer, every, late
         self.barrier = threading.Barrier(REPLICAS, timeout=30)
         self.turn = threading.Lock()  # held by the replica that runs; let go only while waiting at the meeting
         self.posted: list[list[torch.Tensor]] = [[] for _ in range(REPLICAS)]
 
-    @torch.no_grad()
-    def meet(self, replica: int, params: list[torch.Tensor], state: dict[str, Any]) -> None:
-        self.posted[replica] = [p.detach().clone() for p in params]
+    def mean(self, replica: int, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.posted[replica] = [t.detach().clone() for t in tensors]
         self.turn.release()
         try:
             self.barrier.wait()
@@ -47,19 +57,39 @@ class Meeting:
             self.barrier.wait()  # both have read before either posts again
         finally:
             self.turn.acquire()
+        return mean
+
+    @torch.no_grad()
+    def meet(self, replica: int, params: list[torch.Tensor], state: dict[str, Any]) -> None:
+        if self.late:
+            return self.meet_late(replica, params, state)
+        mean = self.mean(replica, params)
         if self.outer:
-            anchor, momentum = state.setdefault("anchor", [p.clone() for p in self.posted[replica]]), state.setdefault("momentum", [])
-            pseudo = [a - m for a, m in zip(anchor, mean)]
-            if not momentum:
-                momentum.extend(g.clone() for g in pseudo)
-            else:
-                for buf, g in zip(momentum, pseudo):
-                    buf.mul_(OUTER_MOMENTUM).add_(g)
-            for a, g, buf in zip(anchor, pseudo, momentum):
-                a.sub_(OUTER_LR * (g + OUTER_MOMENTUM * buf))  # Nesterov
+            anchor = state["anchor"]
+            outer_step(anchor, state.setdefault("momentum", []), [a - m for a, m in zip(anchor, mean)])
             mean = anchor
         for p, m in zip(params, mean):
             p.copy_(m)
+
+    def meet_late(self, replica: int, params: list[torch.Tensor], state: dict[str, Any]) -> None:
+        anchor = state["anchor"]
+        if "in_flight" in state:
+            outer_step(anchor, state.setdefault("momentum", []), state.pop("in_flight"))
+            for p, a, start in zip(params, anchor, state["start"]):
+                p.add_(a - start)
+        state["in_flight"] = self.mean(replica, [a - p for a, p in zip(anchor, params)])
+        state["start"] = [p.clone() for p in params]
+
+
+def outer_step(anchor: list[torch.Tensor], momentum: list[torch.Tensor], pseudo: list[torch.Tensor]) -> None:
+    """torch's SGD with Nesterov momentum, written out."""
+    if not momentum:
+        momentum.extend(g.clone() for g in pseudo)
+    else:
+        for buf, g in zip(momentum, pseudo):
+            buf.mul_(OUTER_MOMENTUM).add_(g)
+    for a, g, buf in zip(anchor, pseudo, momentum):
+        a.sub_(OUTER_LR * (g + OUTER_MOMENTUM * buf))
 
 
 class SimulatedReplica(loom.OneDeviceStrategy):
@@ -82,28 +112,29 @@ class SimulatedReplica(loom.OneDeviceStrategy):
         wrapped, opt = super().prepare(model, optimizer)
         # The anchor is the model as every replica starts it; DiLoCo's first sync moves it.
         self.state["anchor"] = [p.detach().clone() for p in model.parameters()]
-        return wrapped, MeetingOptimizer(opt, lambda: self.meeting.meet(self._replica, list(model.parameters()), self.state))
+        return wrapped, MeetingOptimizer(opt, self.meeting.every, lambda: self.meeting.meet(self._replica, list(model.parameters()), self.state))
 
 
 class MeetingOptimizer(StrategyOptimizer):
-    """Calls ``meet`` after every ``SYNC_EVERY`` real steps."""
+    """Calls ``meet`` after every ``every`` real steps."""
 
-    def __init__(self, opt: StrategyOptimizer, meet: Callable[[], None]) -> None:
+    def __init__(self, opt: StrategyOptimizer, every: int, meet: Callable[[], None]) -> None:
         super().__init__(opt.optimizer, opt.precision, opt._should_step)
-        self.meet, self.steps = meet, 0
+        self.meet, self.every, self.steps = meet, every, 0
 
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         result = super().step(closure)
         if self._should_step(self):
             self.steps += 1
-            if self.steps % SYNC_EVERY == 0:
+            if self.steps % self.every == 0:
                 self.meet()
         return result
 
 
 def simulate(strategy: str, case: str) -> list[dict[str, torch.Tensor]]:
     """Each replica's weights after ``case`` under ``strategy`` (a name in ``LOCAL``)."""
-    meeting = Meeting(outer=strategy == "diloco")
+    options = OPTIONS[strategy]
+    meeting = Meeting(outer=strategy in OUTER, every=options["sync_every"], late=options.get("overlap_sync", False))
     results: list[Any] = [None] * REPLICAS
 
     def work(replica: int) -> None:
@@ -124,3 +155,29 @@ def simulate(strategy: str, case: str) -> list[dict[str, torch.Tensor]]:
             raise AssertionError(f"the simulation of {strategy} on {case} failed: {got!r}")
     return results
 
+
+
+def resume(make: Callable[..., loom.Strategy], directory: Path) -> dict[str, Any]:
+    """Train, save, go on; a fresh model restored from the save goes on with the same batches.
+
+    Plain SGD keeps no inner state, so the two can differ only by DiLoCo's own state (the outer
+    momentum, which the checkpoint must carry).
+    """
+    strategy = make()
+    batches = list(strategy.distribute(cases.data(cases.GLOBAL_BATCH * 6), batch_size=cases.GLOBAL_BATCH, shuffle=False))
+
+    def train(model: torch.nn.Module, opt: Any, few: list[Any]) -> dict[str, torch.Tensor]:
+        step = strategy.train_step(model, F.cross_entropy, opt)
+        for x, y in few:
+            step(x, y)
+        strategy.sync()
+        return cases.weights(model)
+
+    plain = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+    model, opt = strategy.prepare(cases.mlp(), plain)
+    train(model, opt, batches[:3])
+    strategy.save(directory, step=3, model=model, optimizer=opt)
+    went_on = train(model, opt, batches[3:])
+    resumed, resumed_opt = strategy.prepare(cases.mlp(), plain)
+    strategy.restore(directory, model=resumed, optimizer=resumed_opt)
+    return {"went_on": went_on, "resumed": train(resumed, resumed_opt, batches[3:])}

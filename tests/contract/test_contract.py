@@ -15,7 +15,7 @@ import torch
 import loom
 from tests.contract.cases import mlp, sgd
 from tests.contract.conftest import STRATEGIES
-from tests.contract.local_reference import LOCAL, SIMULATED, simulate
+from tests.contract.local_reference import LOCAL, OUTER, SIMULATED, simulate
 
 PIPELINE_EAGER = "PipelineStrategy runs forward and backward together in its schedule, so the eager loop"
 
@@ -144,6 +144,13 @@ def test_local_training_equals_its_simulation(contract_results, strategy, case):
     if case == "step_lr":
         (reference,) = result(contract_results, "one_device", case)
         assert replicas[0]["lr"] == pytest.approx(reference["lr"])
+
+
+@pytest.mark.parametrize("strategy", OUTER)
+def test_diloco_resumed_from_a_checkpoint_goes_on_as_the_saved_run_would(contract_results, strategy):
+    """The checkpoint carries the outer momentum: a fresh one would take other outer steps after the restore."""
+    for got in result(contract_results, strategy, "resume"):
+        assert max_difference(got["went_on"], got["resumed"]) == 0.0
 
 
 @pytest.mark.parametrize("strategy", LOCAL)

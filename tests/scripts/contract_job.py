@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 import loom
 from tests.contract.cases import CASES, run_case
 from tests.contract.local_reference import OPTIONS as LOCAL_OPTIONS
+from tests.contract.local_reference import OUTER, REGISTERED, resume
 
 
 def main() -> None:
@@ -33,10 +34,11 @@ OPTIONS = {"hybrid": {"mesh": {"dp": 1, "tp": 2}}, **LOCAL_OPTIONS}  # and local
 
 
 def run_strategy(strategy_name: str, directory: Path) -> None:
-    strategy = loom.get_strategy(strategy_name, timeout=60, **OPTIONS.get(strategy_name, {}))
+    registered = REGISTERED.get(strategy_name, strategy_name)
+    strategy = loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}))
 
     def make(**options):
-        return loom.get_strategy(strategy_name, timeout=60, **OPTIONS.get(strategy_name, {}), **options)
+        return loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}), **options)
 
     results = {}
     for name in CASES:
@@ -45,6 +47,8 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
+    if strategy_name in OUTER:  # DiLoCo's outer momentum goes on from a checkpoint
+        results["resume"] = resume(make, directory / "resume")
     if not dist.is_initialized():  # one process driving every device (TPUStrategy)
         torch.save(results, directory / "results-0.pt")
         return
