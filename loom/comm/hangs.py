@@ -85,9 +85,11 @@ def _positions(records: dict[int, Record], calls: dict[int, dict[int, Call]]) ->
     if not waited:
         return []
     furthest = max(waited)
-    target = next(per_rank[furthest] for per_rank in calls.values() if furthest in per_rank)
+    target = next(calls[r][furthest] for r in calls if pending[r] == furthest)
     behind = [r for r, per_rank in calls.items() if pending[r] != furthest and max(per_rank, default=0) < furthest]
     if not behind:
+        if any(pending[r] != furthest for r in calls):  # some went past it: the divergence says why
+            return []
         return [f"all ranks are in {call_name(target)} and none returned: a link between them is down or too slow for the timeout"]
     clauses = []
     for r in behind:

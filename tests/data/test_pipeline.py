@@ -208,7 +208,7 @@ def test_report_names_the_slow_stage_of_an_input_bound_job():
 def test_report_says_not_input_bound_when_the_step_dominates():
     loader = ld.from_tensors(torch.arange(40)).map(abs, num_parallel=2).batch(4).prefetch(4).loader()
     for _ in loader:
-        time.sleep(0.02)
+        time.sleep(0.05)  # long beside a loaded machine's hiccups in handing over the GIL
     assert not loader.stats.summary()["input_bound"]
     assert "verdict: not input-bound" in loader.report()
 

@@ -31,9 +31,10 @@ def final_line() -> str:
 
 def test_a_skipped_all_reduce_names_the_rank_and_both_call_sites(final_line):
     train, barrier = line_of("TRAIN_ALL_REDUCE"), line_of("END_BARRIER")
-    # gloo may let the two mismatched calls complete against each other, and then they "ran".
+    # gloo may complete rank 2's all-reduce against rank 3's barrier: then it "ran", and the
+    # records say where the collectives first differed rather than where they are out of step.
     assert re.search(
-        rf"collectives out of step at #4: rank 3 (is in|ran) barrier #4 of group 2 \(hang_job.py:{barrier}\) "
+        rf"(collectives out of step|the ranks' collectives first differed) at #4: rank 3 (is in|ran) barrier #4 of group 2 \(hang_job.py:{barrier}\) "
         rf"while rank 2 (is in|ran) all_reduce #4 of group 2 \(hang_job.py:{train}\)",
         final_line,
     ), final_line
@@ -78,6 +79,14 @@ def test_a_collective_completed_on_some_ranks_only_is_named():
     text = explain({0: record(0, chief), 1: record(1, other)}, 2)
     assert "the ranks' collectives first differed at #2: " in text
     assert "all_reduce at train.py:20 ran on rank 0 only, never on rank 1: every rank must run the same collectives" in text
+
+
+def test_a_call_completed_against_another_op_is_not_called_a_link_down():
+    # gloo completed rank 0's all-reduce against rank 1's barrier; rank 0 then failed, rank 1 waits.
+    ran = [call(1, "all_reduce", 10), call(2, "all_reduce", 10)]
+    waits = [call(1, "all_reduce", 10), call(2, "barrier", 30, done=False)]
+    text = explain({0: record(0, ran), 1: record(1, waits)}, 2)
+    assert text == "the ranks' collectives first differed at #2: rank 1 is in barrier #2 (train.py:30) while rank 0 ran all_reduce #2 (train.py:10)"
 
 
 def test_ranks_that_agree_and_wait_nowhere_give_no_finding():
