@@ -9,7 +9,8 @@ busy, so the input pipeline has the CPU to itself and the target is well defined
 prefetching, a step should take max(input time per batch / parallelism, step time), within 5%.
 Two step lengths: 0 (pure input throughput) and the balanced one, where input and step take
 equally long. Each configuration is warmed by one epoch, then timed over several epochs taken in turns with
-the others (median), because this machine is shared and noisy. "Parallelism" is measured: the
+the others (median), because this machine is shared and noisy; each timed epoch is the second of
+two in a row, as in training, where a pipeline may read the next epoch ahead. "Parallelism" is measured: the
 bare per-image work run in as many plain processes as there are cores, against one.
 
 At the balanced step the bare work alone fills every core, so the ideal leaves no CPU for what
@@ -122,7 +123,8 @@ def timed_epoch(batches: Iterable[Any], step_seconds: float) -> tuple[float, int
 def measure(
     contenders: dict[str, Callable[[], Iterable[Any]]], step_seconds: float, batch: int, rounds: int, bare: Callable[[], None]
 ) -> list[dict[str, Any]]:
-    """Each contender warmed by one epoch, then timed over ``rounds`` epochs taken in turns (median).
+    """Each contender warmed by one epoch, then timed over ``rounds`` epochs taken in turns (median),
+    each the second of two in a row.
 
     ``bare`` measures the machine's bare rates in every round too, so the ideal is of the same moments.
     """
@@ -134,6 +136,9 @@ def measure(
     for _ in range(rounds):  # in turns, so the machine's slow spells hit every contender
         bare()
         for name, loader in loaders.items():
+            # An untimed pass first: the timed one follows a pass, as in training, and what a
+            # contender read ahead while the others ran its turns is not counted to its credit.
+            timed_epoch(loader, step_seconds)
             used = cpu_seconds()
             elapsed, samples = timed_epoch(loader, step_seconds)
             cpu[name].append(cpu_seconds() - used)

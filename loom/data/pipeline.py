@@ -149,7 +149,8 @@ class Pipeline:
         return dataclasses.replace(self, batch_size=batch_size, drop_remainder=drop_remainder, collate_fn=collate_fn)
 
     def prefetch(self, depth: int | str = "auto") -> Pipeline:
-        """Prepare up to ``depth`` batches ahead (``"auto"``: two per worker) while one trains."""
+        """Prepare up to ``depth`` batches ahead (``"auto"``: two per thread worker, four per process
+        worker) while one trains; in order, the workers run on into the next epoch."""
         if depth != "auto":
             _positive("depth", depth)
         return dataclasses.replace(self, prefetch_depth=depth)

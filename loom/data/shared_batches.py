@@ -52,6 +52,10 @@ class BatchBuffers:
                 return index
         return None
 
+    def release_all(self) -> None:
+        """Forget every task in flight: the workers' earlier iteration is over, its results discarded."""
+        self.in_flight.clear()
+
     def collate(self, index: int, collate_fn: Callable[[list[Any]], Any], values: list[Any]) -> Any:
         """In a worker: ``collate_fn(values)`` with its tensors in buffer ``index``, each replaced
         by an ``InBuffer``; tensors that do not fit stay as they are."""

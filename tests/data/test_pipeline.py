@@ -358,7 +358,8 @@ def test_process_batches_arrive_in_shared_buffers_that_are_not_reused_while_held
         assert torch.equal(images, expected.float()[:, None].expand(4, 3)) and labels.tolist() == expected.tolist()
     del held, images, labels
     reused = [buffer_of(batch) for batch in loader]  # each dropped before the next: buffers go round
-    assert None not in reused and len(set(reused)) < len(reused)
+    ahead = 2  # a task a worker: sent while every buffer was held (the next pass read ahead), they travel the usual way
+    assert reused[:ahead] == [None] * ahead and None not in reused[ahead:] and len(set(reused)) < len(reused), reused
 
 
 def test_batches_are_built_in_their_buffer_and_what_does_not_fit_travels_as_is(monkeypatch):
@@ -399,3 +400,50 @@ def test_a_batch_default_collate_promotes_comes_out_of_the_buffer_as_default_col
     got = buffers.read(0, buffers.collate(0, torch.utils.data.default_collate, samples))
     expected = torch.utils.data.default_collate(samples)
     assert got.dtype == expected.dtype and torch.equal(got, expected.detach())
+
+
+_read: list[int] = []
+
+
+def _noted(x):
+    _read.append(int(x))
+    return x * 10
+
+
+def _times_ten(x):
+    return x * 10
+
+
+def test_thread_workers_read_the_next_pass_while_the_loop_finishes_this_one():
+    _read.clear()
+    loader = ld.from_source(Shards()).shuffle(seed=3).map(_noted, num_parallel=2).batch(6).prefetch(2).loader()
+    _epoch(loader)
+    one_pass = 6 * len(loader)  # a short last batch is padded, and the padding is read too
+    deadline = time.monotonic() + 10
+    while len(_read) <= one_pass and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(_read) > one_pass, "no element of the next pass was read ahead"
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_passes_read_ahead_equal_a_fresh_loader_s_and_a_new_position_starts_afresh(method):
+    pipeline = ld.from_source(Shards()).shuffle(seed=3).map(_times_ten, num_parallel=2, method=method).batch(6).prefetch()
+
+    def fresh(epoch):
+        loader = pipeline.loader()
+        loader.set_epoch(epoch)
+        return _epoch(loader)
+
+    loader = pipeline.loader()
+    assert [_epoch(loader) for _ in range(3)] == [fresh(e) for e in range(3)]
+    it = iter(loader)
+    head = [next(it)[: loader.valid_count(k)].tolist() for k in range(2)]
+    del it
+    assert head + _epoch(loader) == fresh(3)  # a pass left early goes on where it stopped
+    for epoch in (7, 2, 9):  # positions away from the read-ahead: each restart discards it
+        loader.set_epoch(epoch)
+        assert _epoch(loader) == fresh(epoch)
+    if method == "process":  # the discarded tasks' shared buffers are free again
+        starts = [s.data_ptr() for s in loader._buffers.storages]
+        for batch in loader:
+            assert any(start <= batch.data_ptr() < start + loader._buffers.capacity for start in starts)
