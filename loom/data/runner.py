@@ -267,10 +267,10 @@ class PipelineLoader:
         count = self.plan.num_batches(epoch)
         stream = self._stream_from(epoch, start)
         waited_since = time.perf_counter()
-        for batch, result in enumerate(itertools.islice(stream, None if count is None else max(count - start, 0)), start):
+        remaining = None if count is None else max(count - start, 0)
+        for batch, result in enumerate(itertools.islice(stream, remaining), start):
             got = time.perf_counter()
-            ends_pass = batch + 1 == count
-            self._stream_next = (epoch + 1, 0) if ends_pass and self._chunks.onward else None if ends_pass else (epoch, batch + 1)
+            self._stream_next = self._after(epoch, batch, count)
             if result.buffer is not None and self._buffers is not None:
                 result.data = self._buffers.read(result.buffer, result.data)
             if result.error is not None:
@@ -293,6 +293,12 @@ class PipelineLoader:
                 self._stream = _in_sequence(self._stream)
             self._stream_next = (epoch, start)
         return self._stream
+
+    def _after(self, epoch: int, batch: int, count: int | None) -> tuple[int, int] | None:
+        """Where the stream is once ``batch`` of pass ``epoch`` is taken; None where it ends there."""
+        if batch + 1 != count:
+            return epoch, batch + 1
+        return (epoch + 1, 0) if self._chunks.onward else None
 
     def _start_workers(self) -> Iterable[_Result]:
         """Built once and reused every epoch, so worker threads and processes persist.
@@ -338,8 +344,8 @@ class PipelineLoader:
         depth = self.pipeline.prefetch_depth
         if depth == "auto":
             # A process worker's finished batch counts against its DataLoader share until the loop
-            # takes it, in order: four each keep a task queued while the loop is a batch or two
-            # behind (two each left the workers idle 13% of a step balanced with the input).
+            # takes it: four each keep a task queued while the loop trains on a batch or two (two
+            # each left the workers idle 13% of a step balanced with the input).
             per_worker = 4 if self.pipeline.method == "process" and self.workers else 2
             return per_worker * max(self.workers, 1)
         return depth or 0
