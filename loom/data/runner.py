@@ -48,7 +48,6 @@ class _Result:
     skipped: list[DataFileError] = field(default_factory=list)
     error: DataFileError | None = None
     buffer: int | None = None  # the shared buffer the task was given (``data``'s tensors lie in it)
-    sequence: int = 0  # process workers: the task's place in the iteration, to put results back in order
 
 
 class _BatchWorker:
@@ -289,8 +288,6 @@ class PipelineLoader:
                 self._workers = self._start_workers()
             self._chunks.epoch, self._chunks.start = epoch, start
             self._stream = iter(self._workers)
-            if self.pipeline.method == "process" and self.workers and self.pipeline.deterministic:
-                self._stream = _in_sequence(self._stream)
             self._stream_next = (epoch, start)
         return self._stream
 
@@ -304,10 +301,7 @@ class PipelineLoader:
         """Built once and reused every epoch, so worker threads and processes persist.
 
         Processes: a ``DataLoader`` whose "indices" are our batches of addresses (persistent
-        workers, shared-memory tensors, pinning), handing results out as they finish: in order,
-        it ties each task to a worker when sent, so a worker that is ahead waits, its share of
-        tasks done, behind a slower one's (idle 5-10% of a step balanced with the input); the
-        order is restored here. Threads: ``torchdata.nodes``.
+        workers, shared-memory tensors, pinning). Threads: ``torchdata.nodes``.
         """
         depth = self._prefetch_depth()
         if self.pipeline.method == "process" and self.workers:
@@ -323,7 +317,7 @@ class PipelineLoader:
                 pin_memory=self.device.type == "cuda",
                 prefetch_factor=factor,
                 persistent_workers=True,
-                in_order=False,
+                in_order=self.pipeline.deterministic,
                 worker_init_fn=_yield_to_training,
                 generator=own_generator(mix(self.pipeline.ops.seed, self.plan.replica)),
             )
@@ -398,21 +392,20 @@ class _ChunkNode(BaseNode[Chunk]):
         return {}  # the position lives in PipelineLoader.state_dict
 
 
-class _Claims(Sampler[tuple[Chunk, int | None, int]]):
-    """Each batch of addresses with the shared buffer its batch is to be written into (or None)
-    and its place in the iteration."""
+class _Claims(Sampler[tuple[Chunk, int | None]]):
+    """Each batch of addresses with the shared buffer its batch is to be written into (or None)."""
 
     def __init__(self, chunks: _Chunks, buffers: BatchBuffers | None) -> None:
         self.chunks = chunks
         self.buffers = buffers
 
-    def __iter__(self) -> Iterator[tuple[Chunk, int | None, int]]:
+    def __iter__(self) -> Iterator[tuple[Chunk, int | None]]:
         # This runs at the DataLoader's first request for a task, after every worker has finished
         # or discarded the earlier iteration's tasks: their buffers are free again.
         if self.buffers is not None:
             self.buffers.release_all()
-        for sequence, chunk in enumerate(self.chunks):  # claimed as the DataLoader sends each task, not ahead of it
-            yield chunk, self.buffers.claim() if self.buffers is not None else None, sequence
+        for chunk in self.chunks:  # claimed as the DataLoader sends each task, not ahead of it
+            yield chunk, self.buffers.claim() if self.buffers is not None else None
 
 
 class _Tasks(Dataset):
@@ -422,26 +415,13 @@ class _Tasks(Dataset):
         self.worker = worker
         self.buffers = buffers
 
-    def __getitem__(self, task: tuple[Chunk, int | None, int]) -> _Result:  # type: ignore[override]
-        chunk, buffer, sequence = task
+    def __getitem__(self, task: tuple[Chunk, int | None]) -> _Result:  # type: ignore[override]
+        chunk, buffer = task
         if buffer is None or self.buffers is None:
-            result = self.worker(chunk)
-        else:
-            result = self.worker(chunk, functools.partial(self.buffers.collate, buffer, self.worker.collate))
-            result.buffer = buffer
-        result.sequence = sequence
+            return self.worker(chunk)
+        result = self.worker(chunk, functools.partial(self.buffers.collate, buffer, self.worker.collate))
+        result.buffer = buffer
         return result
-
-
-def _in_sequence(results: Iterator[_Result]) -> Iterator[_Result]:
-    """Results in the order their tasks were sent, from results in the order they finished."""
-    early: dict[int, _Result] = {}
-    expected = 0
-    for result in results:
-        early[result.sequence] = result
-        while expected in early:
-            yield early.pop(expected)
-            expected += 1
 
 
 def _yield_to_training(worker_id: int) -> None:
