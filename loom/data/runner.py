@@ -169,15 +169,20 @@ class PipelineLoader:
         )
         self.epoch = 0
         self.position = 0  # batches of the current pass already handed out
-        # In order, the workers run on into the next pass while the loop finishes this one, so
-        # no pass starts with an empty pipeline; out of order, a pass's batches must not mix.
-        self._chunks = _Chunks(self.plan, onward=pipeline.deterministic)
+        # Process workers in order run on into the next pass while the loop finishes this one, so
+        # no pass starts with an empty pipeline. Out of order a pass's batches would mix; thread
+        # workers still reading when the interpreter exits would abort it.
+        self._chunks = _Chunks(self.plan, onward=pipeline.deterministic and self._in_processes)
         self._workers: Iterable[_Result] | None = None
         self._stream: Iterator[_Result] | None = None  # the workers' results, from _stream_next on
         self._stream_next: tuple[int, int] | None = None  # (pass, batch) of the stream's next result
         self._buffers: BatchBuffers | None = None  # process workers on CPU: batches in shared buffers
         self._valid: list[int] = []  # per batch of the current iteration
         self._warn_skipped(source.skipped, "file(s)")
+
+    @property
+    def _in_processes(self) -> bool:
+        return self.pipeline.method == "process" and self.workers > 0
 
     # ---- sizes and positions -----------------------------------------------------------------
     @property
@@ -266,10 +271,17 @@ class PipelineLoader:
         count = self.plan.num_batches(epoch)
         stream = self._stream_from(epoch, start)
         waited_since = time.perf_counter()
-        remaining = None if count is None else max(count - start, 0)
-        for batch, result in enumerate(itertools.islice(stream, remaining), start):
+        taken = itertools.islice(stream, None if count is None else max(count - start, 0))
+        for batch in itertools.count(start):
+            try:
+                result = next(taken, None)
+            except (Exception, KeyboardInterrupt):  # a map or collate_fn raised: the stream is spent
+                self._stream_next = None
+                raise
+            if result is None:
+                return
             got = time.perf_counter()
-            self._stream_next = self._after(epoch, batch, count)
+            self._stream_next = self._position_after(epoch, batch, count)
             if result.buffer is not None and self._buffers is not None:
                 result.data = self._buffers.read(result.buffer, result.data)
             if result.error is not None:
@@ -291,7 +303,7 @@ class PipelineLoader:
             self._stream_next = (epoch, start)
         return self._stream
 
-    def _after(self, epoch: int, batch: int, count: int | None) -> tuple[int, int] | None:
+    def _position_after(self, epoch: int, batch: int, count: int | None) -> tuple[int, int] | None:
         """Where the stream is once ``batch`` of pass ``epoch`` is taken; None where it ends there."""
         if batch + 1 != count:
             return epoch, batch + 1
@@ -304,7 +316,7 @@ class PipelineLoader:
         workers, shared-memory tensors, pinning). Threads: ``torchdata.nodes``.
         """
         depth = self._prefetch_depth()
-        if self.pipeline.method == "process" and self.workers:
+        if self._in_processes:
             factor = max(1, -(-depth // self.workers))
             if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
                 self._buffers = BatchBuffers(self.workers * factor + HELD_BATCHES)
@@ -340,7 +352,7 @@ class PipelineLoader:
             # A process worker's finished batch counts against its DataLoader share until the loop
             # takes it: four each keep a task queued while the loop trains on a batch or two (two
             # each left the workers idle 13% of a step balanced with the input).
-            per_worker = 4 if self.pipeline.method == "process" and self.workers else 2
+            per_worker = 4 if self._in_processes else 2
             return per_worker * max(self.workers, 1)
         return depth or 0
 
@@ -365,10 +377,8 @@ class _Chunks(Sampler[Chunk]):
     def __iter__(self) -> Iterator[Chunk]:
         epoch, start = self.epoch, self.start
         while True:
-            sent = 0
-            for sent, chunk in enumerate(self.plan.batches(epoch, start), 1):
-                yield chunk
-            if not self.onward or not sent:  # a pass with no batches would loop forever
+            yield from self.plan.batches(epoch, start)
+            if not self.onward or not self.plan.num_batches(epoch + 1):  # no batches: nothing to run on into
                 return
             epoch, start = epoch + 1, 0
 

@@ -1,5 +1,6 @@
 """loom.data pipelines: exactly-once sharding, resuming, order, caching, errors, the verdict."""
 
+import functools
 import time
 
 import numpy as np
@@ -402,11 +403,9 @@ def test_a_batch_default_collate_promotes_comes_out_of_the_buffer_as_default_col
     assert got.dtype == expected.dtype and torch.equal(got, expected.detach())
 
 
-_read: list[int] = []
-
-
-def _noted(x):
-    _read.append(int(x))
+def _noted(path, x):
+    with open(path, "a") as f:
+        f.write(f"{int(x)}\n")
     return x * 10
 
 
@@ -414,15 +413,33 @@ def _times_ten(x):
     return x * 10
 
 
-def test_thread_workers_read_the_next_pass_while_the_loop_finishes_this_one():
-    _read.clear()
-    loader = ld.from_source(Shards()).shuffle(seed=3).map(_noted, num_parallel=2).batch(6).prefetch(2).loader()
+def test_process_workers_read_the_next_pass_while_the_loop_finishes_this_one(tmp_path):
+    noted = tmp_path / "read"
+    pipeline = ld.from_source(Shards()).shuffle(seed=3).map(functools.partial(_noted, noted), num_parallel=2, method="process")
+    loader = pipeline.batch(6).prefetch(2).loader()
     _epoch(loader)
     one_pass = 6 * len(loader)  # a short last batch is padded, and the padding is read too
     deadline = time.monotonic() + 10
-    while len(_read) <= one_pass and time.monotonic() < deadline:
+    while len(noted.read_text().split()) <= one_pass and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(_read) > one_pass, "no element of the next pass was read ahead"
+    assert len(noted.read_text().split()) > one_pass, "no element of the next pass was read ahead"
+
+
+def _fails_on_7(x):
+    if int(x) == 7:
+        raise ValueError("no sevens")
+    return x
+
+
+@pytest.mark.parametrize("method", ["thread", "process"])
+def test_a_map_that_raises_stops_the_pass_after_the_batches_before_it_every_time(method):
+    loader = ld.from_source(Shards()).map(_fails_on_7, num_parallel=2, method=method).batch(6).loader()
+    for expected in ([list(range(6))], []):  # iterating again goes on at batch 1 and meets the error there
+        got = []
+        with pytest.raises(ValueError, match="no sevens"):
+            for batch in loader:
+                got.append(batch.tolist())
+        assert got == expected and loader.state_dict()["batch"] == 1
 
 
 @pytest.mark.parametrize("method", ["thread", "process"])
