@@ -243,6 +243,8 @@ class PipelineLoader:
 
     # ---- iteration ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
+        if self.position and self.position == self.steps_per_epoch:  # read to its end by zip(range(n), loader)
+            self.epoch, self.position = self.epoch + 1, 0
         epoch, start = self.epoch, self.position
         self._valid = []
         skipped: list[DataFileError] = []

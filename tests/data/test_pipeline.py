@@ -464,3 +464,11 @@ def test_passes_read_ahead_equal_a_fresh_loader_s_and_a_new_position_starts_afre
         starts = [s.data_ptr() for s in loader._buffers.storages]
         for batch in loader:
             assert any(start <= batch.data_ptr() < start + loader._buffers.capacity for start in starts)
+
+
+def test_a_pass_taken_to_its_last_batch_without_ending_the_loop_is_followed_by_the_next_pass():
+    pipeline = ld.from_source(Shards()).shuffle(seed=3).map(_times_ten, num_parallel=2, method="process").batch(6)
+    loader = pipeline.loader()
+    first = [batch[: loader.valid_count(k)].tolist() for k, (_, batch) in enumerate(zip(range(len(loader)), loader))]  # zip stops before the loader ends
+    fresh = pipeline.loader()
+    assert first == _epoch(fresh) and _epoch(loader) == _epoch(fresh)
