@@ -279,6 +279,8 @@ class PipelineLoader:
                 result = next(taken, None)
             except (Exception, KeyboardInterrupt):  # a map or collate_fn raised: the stream is spent
                 self._stream_next = None
+                if not self._in_processes:  # a reset torchdata mapper could drop the next batch after a failure
+                    self._workers = None
                 raise
             if result is None:
                 return

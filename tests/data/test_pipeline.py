@@ -434,7 +434,7 @@ def _fails_on_7(x):
 @pytest.mark.parametrize("method", ["thread", "process"])
 def test_a_map_that_raises_stops_the_pass_after_the_batches_before_it_every_time(method):
     loader = ld.from_source(Shards()).map(_fails_on_7, num_parallel=2, method=method).batch(6).loader()
-    for expected in ([list(range(6))], []):  # iterating again goes on at batch 1 and meets the error there
+    for expected in ([list(range(6))], [], []):  # iterating again goes on at batch 1 and meets the error there
         got = []
         with pytest.raises(ValueError, match="no sevens"):
             for batch in loader:
