@@ -185,3 +185,11 @@ def collate_stacking(batch: list[Any], stack: Callable[..., torch.Tensor]) -> An
     from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
     return collate(batch, collate_fn_map={**default_collate_fn_map, torch.Tensor: stack})
+
+
+def worker_failure(where: str) -> Any:
+    """The exception being handled, in the form a DataLoader worker sends it: picklable whatever
+    the exception, and re-raised in the training process with the worker's traceback."""
+    from torch._utils import ExceptionWrapper
+
+    return ExceptionWrapper(where=where)

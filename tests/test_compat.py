@@ -7,6 +7,7 @@ import pickle
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -120,3 +121,13 @@ def test_storage_use_count_counts_tensors_views_and_numpy_arrays_holding_the_mem
     assert compat.storage_use_count(storage) > 1  # the NumPy array alone
     del array
     assert compat.storage_use_count(storage) == 1
+
+
+def test_worker_failure_pickles_and_reraises_with_the_worker_s_traceback():
+    try:
+        raise KeyError("row 7")
+    except KeyError:
+        failure = pickle.loads(pickle.dumps(compat.worker_failure("in a test worker")))
+    with pytest.raises(KeyError, match="row 7") as raised:
+        failure.reraise()
+    assert "in a test worker" in str(raised.value)
