@@ -337,10 +337,13 @@ class PipelineLoader:
         depth = self._prefetch_depth()
         if self._in_processes:
             factor = max(1, -(-depth // self.workers))
+            # The DataLoader keeps workers x factor tasks unanswered; a window as large again lets
+            # answered ones wait for a slower batch without stopping the workers ahead of it.
+            window = 2 * self.workers * factor if self.pipeline.deterministic else self.workers * factor
             if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
-                self._buffers = BatchBuffers(self.workers * factor + HELD_BATCHES)
+                self._buffers = BatchBuffers(window + HELD_BATCHES)
             if self.pipeline.deterministic:
-                self._window = _Window(self.workers * factor)
+                self._window = _Window(window)
             return DataLoader(
                 _Tasks(self._worker, self._buffers),
                 batch_size=None,
