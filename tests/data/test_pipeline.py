@@ -209,7 +209,7 @@ def test_report_names_the_slow_stage_of_an_input_bound_job():
 def test_report_says_not_input_bound_when_the_step_dominates():
     loader = ld.from_tensors(torch.arange(40)).map(abs, num_parallel=2).batch(4).prefetch(4).loader()
     for _ in loader:
-        time.sleep(0.05)  # long beside a loaded machine's hiccups in handing over the GIL
+        time.sleep(0.1)  # long beside a loaded machine's hiccups in handing over the GIL (50 ms lost in a full suite)
     assert not loader.stats.summary()["input_bound"]
     assert "verdict: not input-bound" in loader.report()
 
@@ -360,7 +360,7 @@ def test_process_batches_arrive_in_shared_buffers_that_are_not_reused_while_held
     del held, images, labels
     reused = [buffer_of(batch) for batch in loader]  # each dropped before the next: buffers go round
     ahead = reused.index(next(b for b in reused if b is not None))  # sent while every buffer was held: the usual way
-    assert ahead <= 2 and None not in reused[ahead:] and len(set(reused)) < len(reused), reused  # 2: a task a worker
+    assert ahead <= 4 and None not in reused[ahead:] and len(set(reused)) < len(reused), reused  # 4: the window
 
 
 def test_batches_are_built_in_their_buffer_and_what_does_not_fit_travels_as_is(monkeypatch):
