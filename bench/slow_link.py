@@ -462,7 +462,7 @@ def plot(rows: dict, quality: dict | None, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [3, 2]})
     names = list(rows)
     left.barh(names, [rows[n]["vs_raw_ddp"] for n in names], color="tab:blue")
     left.axvline(1.0, color="gray", lw=1)
@@ -470,9 +470,12 @@ def plot(rows: dict, quality: dict | None, path: Path) -> None:
     for i, n in enumerate(names):
         left.text(rows[n]["vs_raw_ddp"], i, f" {rows[n]['vs_raw_ddp']:.2f}x", va="center")
     if quality:
-        right.bar(list(quality), list(quality.values()), color="tab:green")
-        right.set(ylabel="validation loss", title="tiny GPT, same samples")
-        right.set_ylim(min(quality.values()) * 0.95, max(quality.values()) * 1.02)
+        right.barh(list(quality), list(quality.values()), color="tab:green")
+        right.axvline(quality["sync fp32"], color="gray", lw=1)
+        right.set(xlabel="validation loss (lower is better)", title="small GPT, same samples")
+        right.set_xlim(min(quality.values()) * 0.97, max(quality.values()) * 1.01)
+    else:
+        right.set_axis_off()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
