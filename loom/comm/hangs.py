@@ -80,7 +80,7 @@ def _divergence(calls: dict[int, dict[int, Call]], seq: int) -> str:
 
 def _positions(records: dict[int, Record], calls: dict[int, dict[int, Call]]) -> list[str]:
     """Ranks behind the furthest collective in flight, each with where it is instead."""
-    pending = {r: min((s for s, c in per_rank.items() if not c["done"]), default=None) for r, per_rank in calls.items()}
+    pending = {r: max((s for s, c in per_rank.items() if not c["done"]), default=None) for r, per_rank in calls.items()}
     waited = [s for s in pending.values() if s is not None]
     if not waited:
         return []

@@ -72,6 +72,14 @@ def test_the_odd_rank_out_is_named_first_against_the_others():
     assert text.startswith("collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while ranks 0, 2, 3 are in barrier #2 (train.py:95)")
 
 
+def test_a_rank_waiting_ahead_is_the_target_though_its_previous_collective_is_not_yet_marked_done():
+    # Under load a rank's record can show its last collective in flight before the one before it is marked done.
+    waiting = [call(1, "all_reduce", 10), call(2, "all_reduce", 10, done=False), call(3, "all_reduce", 10, done=False)]
+    looping = [call(1, "all_reduce", 10), call(2, "all_reduce", 10)]
+    text = explain({0: record(0, waiting), 1: record(1, looping)}, 2)
+    assert "rank 1 never reached all_reduce #3 (train.py:10)" in text, text
+
+
 def test_a_collective_completed_on_some_ranks_only_is_named():
     # gloo matched the chief's evaluation all-reduce with the others' training one: no hang yet, wrong sums.
     chief = [call(1, "all_reduce", 10), call(2, "all_reduce", 20), call(3, "all_reduce", 10), call(4, "all_reduce", 10, done=False)]
