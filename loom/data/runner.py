@@ -343,9 +343,9 @@ class PipelineLoader:
             if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
                 self._buffers = BatchBuffers(window + HELD_BATCHES)
             if self.pipeline.deterministic:
-                self._window = _Window(window)
+                self._window = _Window(window, self.workers)
             return DataLoader(
-                _Tasks(self._worker, self._buffers),
+                _Tasks(self._worker, self._buffers, self._window),
                 batch_size=None,
                 sampler=_Claims(self._chunks, self._buffers, self._window),
                 num_workers=self.workers,
@@ -427,16 +427,41 @@ class _ChunkNode(BaseNode[Chunk]):
 
 
 class _Window:
-    """Sequence numbers of the next task to send and of the next result the loop is to get; at
-    most ``size`` apart, so workers ahead of a slow batch do not read on without bound."""
+    """How far tasks run ahead of the oldest unfinished one, so workers ahead of a slow batch do
+    not read on without bound. Workers mark what they finish in shared memory: the DataLoader
+    sends its next task as a result arrives, before the loop sees it, and a window counted from
+    the batches handed out would then still be full, its free slots idle tasks at a pass's end."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, workers: int) -> None:
         self.size = size
+        self.finished = torch.full((size,), -1, dtype=torch.int64).share_memory_()  # slot s % size: s, once done
+        self.idle_done = torch.zeros(max(workers, 1), dtype=torch.int64).share_memory_()  # per worker
         self.sent = 0
-        self.handed = 0
+        self.oldest = 0  # the oldest task not known to be finished
+        self.idle_taken = 0
+
+    def reset(self) -> None:
+        """A new iteration: the workers have finished or discarded the earlier one's tasks."""
+        self.finished.fill_(-1)
+        self.idle_done.zero_()
+        self.sent = self.oldest = self.idle_taken = 0
 
     def full(self) -> bool:
-        return self.sent - self.handed >= self.size
+        while self.oldest < self.sent and int(self.finished[self.oldest % self.size]) == self.oldest:
+            self.oldest += 1
+        return self.sent - self.oldest >= self.size
+
+    def finish(self, sequence: int) -> None:
+        """In a worker: task ``sequence`` is done (-1: an idle task)."""
+        if sequence >= 0:
+            self.finished[sequence % self.size] = sequence
+        else:
+            info = torch.utils.data.get_worker_info()
+            self.idle_done[info.id if info is not None else 0] += 1
+
+    def idle_waiting(self) -> bool:
+        """Whether an idle task's result is ready to be taken (taking it sends a task)."""
+        return int(self.idle_done.sum()) > self.idle_taken
 
 
 _IDLE = (None, None, -1)  # a task with nothing to do: the window is full
@@ -457,7 +482,7 @@ class _Claims(Sampler[tuple[Chunk | None, int | None, int]]):
         if self.buffers is not None:
             self.buffers.release_all()
         if self.window is not None:
-            self.window.sent = self.window.handed = 0
+            self.window.reset()
         for sequence, chunk in enumerate(self.chunks):
             while self.window is not None and self.window.full():
                 yield _IDLE  # the DataLoader sends a task for each result: never none, or it would end
@@ -469,12 +494,18 @@ class _Claims(Sampler[tuple[Chunk | None, int | None, int]]):
 class _Tasks(Dataset):
     """A "dataset" whose indices are batches of addresses: a DataLoader worker runs each one."""
 
-    def __init__(self, worker: _BatchWorker, buffers: BatchBuffers | None) -> None:
+    def __init__(self, worker: _BatchWorker, buffers: BatchBuffers | None, window: _Window | None) -> None:
         self.worker = worker
         self.buffers = buffers
+        self.window = window
 
     def __getitem__(self, task: tuple[Chunk | None, int | None, int]) -> _Result:  # type: ignore[override]
-        chunk, buffer, sequence = task
+        result = self._run(*task)
+        if self.window is not None:
+            self.window.finish(result.sequence)
+        return result
+
+    def _run(self, chunk: Chunk | None, buffer: int | None, sequence: int) -> _Result:
         if chunk is None:
             time.sleep(IDLE_SECONDS)
             return _Result()
@@ -490,15 +521,25 @@ class _Tasks(Dataset):
 
 
 def _in_sequence(results: Iterator[_Result], window: _Window) -> Iterator[_Result]:
-    """Results in the order their tasks were sent, from results in the order they finished."""
+    """Results in the order their tasks were sent, from results in the order they finished.
+
+    Idle tasks' results are taken as soon as they are ready, even while earlier results wait to
+    be handed out: each one taken sends a task, and left in the queue it would keep the workers
+    without one while the loop trains on those earlier results (or past a pass's end)."""
     early: dict[int, _Result] = {}
-    for result in results:
-        if result.sequence < 0:  # an idle task's
+    wanted = 0
+    while True:
+        if wanted in early and not window.idle_waiting():
+            wanted += 1
+            yield early.pop(wanted - 1)
             continue
-        early[result.sequence] = result
-        while window.handed in early:
-            window.handed += 1
-            yield early.pop(window.handed - 1)
+        result = next(results, None)
+        if result is None:
+            return
+        if result.sequence < 0:
+            window.idle_taken += 1
+        else:
+            early[result.sequence] = result
 
 
 def _yield_to_training(worker_id: int) -> None:

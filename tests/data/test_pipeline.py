@@ -413,6 +413,30 @@ def _times_ten(x):
     return x * 10
 
 
+def _noted_second_batch_slow(path, x):
+    """Notes each element read; the second batch (worker 1's first) takes 0.5 s, so worker 0 runs
+    the window ahead of it and the DataLoader's free slots hold idle tasks as the pass ends."""
+    worker = torch.utils.data.get_worker_info()
+    if worker is not None and worker.id == 1 and not getattr(_noted_second_batch_slow, "seen", False):
+        _noted_second_batch_slow.seen = True
+        time.sleep(0.5)
+    return _noted(path, x)
+
+
+@pytest.mark.parametrize("slow_first", [False, True])
+def test_process_workers_read_the_next_pass_while_the_loop_finishes_this_one(tmp_path, slow_first):
+    noted = tmp_path / "read"
+    fn = _noted_second_batch_slow if slow_first else _noted
+    pipeline = ld.from_source(Shards()).shuffle(seed=3).map(functools.partial(fn, noted), num_parallel=2, method="process")
+    loader = pipeline.batch(6).prefetch(2).loader()
+    _epoch(loader)
+    one_pass = 6 * len(loader)  # a short last batch is padded, and the padding is read too
+    deadline = time.monotonic() + 30  # niced workers on a machine loaded by the whole suite
+    while len(noted.read_text().split()) <= one_pass and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(noted.read_text().split()) > one_pass, "no element of the next pass was read ahead"
+
+
 def _fails_on_7(x):
     time.sleep(0.2 if int(x) == 0 else 0.0)  # batch 1's error is ready before batch 0
     if int(x) == 7:
