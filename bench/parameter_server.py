@@ -1,12 +1,12 @@
 """Sparse model W3: parameter servers against all-reduce, samples/s and bytes on the wire.
 
-    python bench/parameter_server.py [--workers 2 4] [--steps 30]
+    python bench/parameter_server.py [--workers 2 4] [--steps 30] [--servers 2]
 
 W3: EmbeddingBag(1,000,000 x 32, sum) over bags of 20 ids drawn from a Zipf distribution
 (exponent 1.1, as ids in click logs are), then an MLP 32-64-1; global batch 1024. Three ways
 to train it on the same data:
 
-* loom ParameterServerStrategy, 2 servers (workers pull only the rows their batch touches),
+* loom ParameterServerStrategy, 2 servers by default (workers pull only the rows their batch touches),
   asynchronous, and synchronous (``--sync``: each step the servers apply the workers' mean),
   each also with ``strategy.prefetch`` (the next batch's rows come in the reply to the step's
   commit, or to the read after a synchronous round: one round trip a step fewer);
@@ -120,13 +120,13 @@ def _lo_bytes() -> int:
     return int(next(line for line in text.splitlines() if line.strip().startswith("lo:")).split(":")[1].split()[8])
 
 
-def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float = 0.0) -> dict[str, float]:
+def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float = 0.0, servers: int = 2) -> dict[str, float]:
     namespace = f"loombench{os.getpid()}"
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
         out = tmp / f"{method}-{workers}-{straggler_sleep:g}"
-        launch = ["--ps", "2", "--workers", str(workers)] if method.startswith("parameter-server") else ["--nproc", str(workers)]
+        launch = ["--ps", str(servers), "--workers", str(workers)] if method.startswith("parameter-server") else ["--nproc", str(workers)]
         launch += ["--sync"] if method.startswith("parameter-server-sync") else []
         command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_BENCH_STRAGGLER_SLEEP": str(straggler_sleep)}
@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--servers", type=int, default=2, help="parameter servers (the table is split among them)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved; the median is kept")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -171,7 +172,7 @@ def main() -> None:
             runs: dict[str, list[dict[str, float]]] = {}
             for _ in range(args.repeats):
                 for method in args.methods:
-                    runs.setdefault(method, []).append(run(method, workers, args.steps, Path(tmp)))
+                    runs.setdefault(method, []).append(run(method, workers, args.steps, Path(tmp), servers=args.servers))
             for method, rows in runs.items():
                 row = sorted(rows, key=lambda r: r["samples_per_sec"])[len(rows) // 2]
                 results.setdefault(method, {})[str(workers)] = {**row, "repeats": [r["samples_per_sec"] for r in rows]}
@@ -187,13 +188,14 @@ def main() -> None:
                   f"vs sparse DDP {ps['samples_per_sec'] / sparse['samples_per_sec']:.2f}x throughput, "
                   f"{sparse['bytes_per_worker_step'] / ps['bytes_per_worker_step']:.1f}x fewer bytes")  # fmt: skip
     if 4 in args.workers and {"parameter-server", "parameter-server-sync", "sparse-ddp"} <= set(args.methods):
-        results["straggler"] = straggler(results, args.steps)
+        results["straggler"] = straggler(results, args.steps, args.servers)
+    results["servers"] = args.servers
     name = "parameter_server" if set(args.methods) == set(METHODS) else "parameter_server_some"  # a partial run keeps the full one
     print(f"saved {save(name, results)}")
-    plot({k: v for k, v in results.items() if k != "straggler"}, RESULTS / f"{name}.png")
+    plot({k: v for k, v in results.items() if k not in ("straggler", "servers")}, RESULTS / f"{name}.png")
 
 
-def straggler(results: dict, steps: int) -> dict[str, dict[str, float]]:
+def straggler(results: dict, steps: int, servers: int) -> dict[str, dict[str, float]]:
     """One of 4 workers slowed 4x (a sleep of 3 step times): who keeps their pace."""
     import tempfile
 
@@ -201,7 +203,7 @@ def straggler(results: dict, steps: int) -> dict[str, dict[str, float]]:
     with tempfile.TemporaryDirectory() as tmp:
         for method in ("parameter-server", "parameter-server-sync", "sparse-ddp"):
             quiet = results[method]["4"]
-            slowed = run(method, 4, steps, Path(tmp), straggler_sleep=3 * quiet["step_seconds"])
+            slowed = run(method, 4, steps, Path(tmp), straggler_sleep=3 * quiet["step_seconds"], servers=servers)
             kept = slowed["samples_per_sec"] / quiet["samples_per_sec"]
             out[method] = {"samples_per_sec": slowed["samples_per_sec"], "kept": kept}
             print(f"straggler ({method}): {slowed['samples_per_sec']:9,.0f} samples/s, {kept:.0%} of its no-straggler throughput", flush=True)
