@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.peers.run import launch, missing  # noqa: E402
 from bench.workloads import RESULTS, WORKLOADS, endless, machine, save  # noqa: E402
+from loom.strategies import fast_path  # noqa: E402
 
 TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table: used when TF is missing
 TF_STEPS = {"W1": 20, "W2": 10}
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    candidates = ["channels_last", "compile", "reuse_memory"] if args.compile else ["channels_last", "reuse_memory"]
+    candidates = [c for c in fast_path.CANDIDATES if c != "compile" or args.compile]
     if args.worker:
         return worker(args.rounds, args.steps, candidates, args.out)
     no_tf = missing("tensorflow")

@@ -106,7 +106,7 @@ class Strategy(ABC):
 
         The module passed in stays usable and holds the trained parameters (``loom.unwrap``
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
-        ``fast_path=True`` times channels_last, torch.compile and reuse_memory against eager on
+        ``fast_path=True`` times channels_last, pool_before_relu, torch.compile and reuse_memory against eager on
         ``example_input`` (one batch of this replica's inputs), keeps the fastest that computes
         the same, and says which in one line (``loom.strategies.fast_path``).
         """

@@ -86,6 +86,53 @@ def test_a_candidate_that_is_not_faster_or_fails_is_not_kept_and_the_line_says_w
     assert mlp.line().endswith("; channels_last: no 2-D convolution")
 
 
+def poolnet() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(4 * 3 * 3, 3))
+
+
+def test_pool_before_relu_when_faster_trains_as_eager_does_and_leaves_the_state_dict_as_it_was(monkeypatch, capsys):
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 if isinstance(run[1], nn.ReLU) else 0.8)
+    data = batches()
+    trained, nets = {}, {}
+    for fast in (True, False):
+        net = nets[fast] = poolnet()
+        keys = list(net.state_dict())
+        options = {"fast_path": ["pool_before_relu"], "example_input": data[0][0]} if fast else {}
+        strategy = loom.OneDeviceStrategy(device="cpu")
+        model, opt = strategy.prepare(net, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), **options)
+        step = strategy.train_step(model, F.cross_entropy, opt)
+        for x, y in data:
+            step(x, y)
+        trained[fast] = net.state_dict()
+        assert list(trained[fast]) == keys
+    assert capsys.readouterr().out.startswith("loom: fast path pool_before_relu, 1.25x eager")
+    assert [type(m) for m in nets[True]] == [nn.Conv2d, nn.MaxPool2d, nn.ReLU, nn.Flatten, nn.Linear]
+    assert [type(m) for m in nets[False]] == [nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear]
+    for key, value in trained[False].items():
+        assert torch.equal(trained[True][key], value), key
+
+
+def test_max_pool_then_relu_gives_relus_outputs_and_gradients_where_windows_tie_or_are_not_positive():
+    x = torch.tensor([[-1.0, -2.0, 3.0, 3.0, 0.0, -0.5, 2.0, float("nan")], [-3.0, -4.0, 1.0, 3.0, 0.0, -1.0, 5.0, 1.0]]).view(1, 1, 2, 8)
+    grad = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
+    outs = []
+    for order in ((nn.ReLU(), nn.MaxPool2d(2)), (nn.MaxPool2d(2), nn.ReLU())):
+        leaf = x.clone().requires_grad_()
+        out = nn.Sequential(*order)(leaf)
+        out.backward(grad)
+        outs.append((out.detach(), leaf.grad))
+    assert torch.equal(outs[0][0].nan_to_num(), outs[1][0].nan_to_num()) and outs[0][0].isnan().equal(outs[1][0].isnan())
+    assert torch.equal(outs[0][1], outs[1][1])
+
+
+def test_pool_before_relu_leaves_hooked_modules_alone():
+    net = poolnet()
+    net[1].register_forward_hook(lambda m, args, out: None)
+    plan = fast_path.choose(net, batches(1)[0][0], ["pool_before_relu"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.rejected == {"pool_before_relu": "no nn.ReLU followed by an nn.MaxPool2d in an nn.Sequential (without hooks)"}
+
+
 def test_a_candidate_that_computes_differently_is_refused():
     assert fast_path._difference([torch.ones(3)], [torch.ones(3) * 1.001], tolerance=1e-4) == "differs from eager by 1.0e-03 (relative) in its output, not kept"
     assert fast_path._difference([torch.ones(3)], [torch.ones(3) * (1 + 1e-6)], tolerance=1e-4) is None
@@ -95,7 +142,7 @@ def test_bad_fast_path_options_get_one_line():
     strategy = loom.OneDeviceStrategy(device="cpu")
     with pytest.raises(ValueError, match=r"^prepare\(fast_path=...\) measures the model on a batch: pass example_input="):
         strategy.prepare(convnet(), fast_path=True)
-    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, compile, reuse_memory; got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, pool_before_relu, compile, reuse_memory; got 'fast'$"):
         strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
 
 
