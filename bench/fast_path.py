@@ -2,14 +2,15 @@
 
     python bench/fast_path.py [--nproc 1 2] [--rounds 3] [--steps 3] [--compile]
 
-For each number of processes, one job (``loom run --nproc N``) runs every contender in the
-same processes, in interleaved blocks of steps (order rotating per round):
+For each number of processes and each workload, one job (``loom run --nproc N``) runs every
+contender in the same processes, in interleaved blocks of steps (order rotating per round), so
+that each workload's trial starts on a fresh allocator, as a training script's does:
 
 - ``eager fp32``: ``strategy.prepare(model, opt)``;
 - ``fast path fp32``: ``prepare(..., fast_path=[...], example_input=x)``, whose one line is kept;
 - ``bf16-mixed + fast path``: the same under ``precision="bf16-mixed"``.
 
-Candidates: channels_last and reuse_memory. reuse_memory is process-wide, so each contender's
+Candidates: every one but compile. reuse_memory is process-wide, so each contender's
 blocks run on the allocator its own trial chose (eager's on glibc's thresholds where they slide
 to, as a trial leaves them), after one untimed step.
 
@@ -50,51 +51,50 @@ TF_STEPS = {"W1": 20, "W2": 10}
 CONTENDERS = ("eager fp32", "fast path fp32", "bf16-mixed + fast path")
 
 
-def worker(rounds: int, steps: int, candidates: list[str], out: str) -> None:
+def worker(rounds: int, steps: int, candidates: list[str], name: str, out: str) -> None:
     import loom
-    from loom.strategies import fast_path
 
     results: dict = {}
-    for name, workload in WORKLOADS.items():
-        data = workload.data(batches=4)
-        contenders, lines, allocator = {}, {}, {}
-        for contender in CONTENDERS:
-            strategy = loom.auto_strategy(precision="bf16-mixed" if contender.startswith("bf16") else "32", timeout=600)
-            torch.manual_seed(0)
-            loader = strategy.distribute(data, batch_size=workload.global_batch)
-            example = next(iter(loader))[0]
-            options = {} if contender == "eager fp32" else {"fast_path": candidates, "example_input": example}
-            if fast_path._reusing:  # each trial starts from a process that does not keep memory
-                fast_path.reuse_memory(False)
-            said = io.StringIO()
-            with redirect_stdout(said):
-                model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), **options)
-            lines[contender] = said.getvalue().strip()
-            step = strategy.train_step(model, F.cross_entropy, opt)
-            batches = endless(loader)
-            contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
-            allocator[contender] = "reuse_memory" in lines[contender].split(" (")[0]
-        for contender, run in contenders.items():
-            _allocator(fast_path, allocator[contender])
-            run()
-        seconds: dict[str, list[float]] = {c: [] for c in contenders}
-        order = list(contenders)
-        for r in range(rounds):
-            for contender in order[r % len(order):] + order[: r % len(order)]:
-                _allocator(fast_path, allocator[contender])  # process-wide: each contender runs on its own choice
-                contenders[contender]()  # untimed: after a change of allocator, its heap fills
-                _barrier()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    contenders[contender]()
-                _barrier()
-                seconds[contender].append((time.perf_counter() - start) / steps)
-        results[name] = {
-            c: {"samples_per_sec": workload.global_batch / statistics.median(s), "blocks": s, "choice": lines[c]}
-            for c, s in seconds.items()
-        }
+    workload = WORKLOADS[name]
+    data = workload.data(batches=4)
+    contenders, lines, allocator = {}, {}, {}
+    for contender in CONTENDERS:
+        strategy = loom.auto_strategy(precision="bf16-mixed" if contender.startswith("bf16") else "32", timeout=600)
+        torch.manual_seed(0)
+        loader = strategy.distribute(data, batch_size=workload.global_batch)
+        example = next(iter(loader))[0]
+        options = {} if contender == "eager fp32" else {"fast_path": candidates, "example_input": example}
+        if fast_path._reusing:  # each trial starts from a process that does not keep memory
+            fast_path.reuse_memory(False)
+        said = io.StringIO()
+        with redirect_stdout(said):
+            model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), **options)
+        lines[contender] = said.getvalue().strip()
+        step = strategy.train_step(model, F.cross_entropy, opt)
+        batches = endless(loader)
+        contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
+        allocator[contender] = "reuse_memory" in lines[contender].split(" (")[0]
+    for contender, run in contenders.items():
+        _allocator(fast_path, allocator[contender])
+        run()
+    seconds: dict[str, list[float]] = {c: [] for c in contenders}
+    order = list(contenders)
+    for r in range(rounds):
+        for contender in order[r % len(order):] + order[: r % len(order)]:
+            _allocator(fast_path, allocator[contender])  # process-wide: each contender runs on its own choice
+            contenders[contender]()  # untimed: after a change of allocator, its heap fills
+            _barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                contenders[contender]()
+            _barrier()
+            seconds[contender].append((time.perf_counter() - start) / steps)
+    results[name] = {
+        c: {"samples_per_sec": workload.global_batch / statistics.median(s), "blocks": s, "choice": lines[c]}
+        for c, s in seconds.items()
+    }
     if not dist.is_initialized() or dist.get_rank() == 0:
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and name == "W2":
             results["profile"] = profile()
         Path(out).write_text(json.dumps(results))
 
@@ -135,12 +135,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="try torch.compile too")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     candidates = [c for c in fast_path.CANDIDATES if c != "compile" or args.compile]
     if args.worker:
-        return worker(args.rounds, args.steps, candidates, args.out)
+        return worker(args.rounds, args.steps, candidates, args.worker, args.out)
     no_tf = missing("tensorflow")
     tf_fp32: dict[tuple[str, int], float] = dict(TF_FP32) if no_tf else {}
     print(f"TensorFlow not measured ({no_tf}); issue 15's figures stand in" if no_tf else "TensorFlow measured in this run")
@@ -148,15 +148,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for nproc in args.nproc:
             tf_rates: dict[str, list[float]] = {name: [] for name in WORKLOADS}
-            out = Path(tmp) / f"{nproc}.json"
             if not no_tf:
                 _measure_tf(tf_rates, nproc, Path(tmp))
-            command = [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", __file__, "--worker",
-                       "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(out), *(["--compile"] if args.compile else [])]  # fmt: skip
-            done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"--nproc {nproc} failed: {done.stderr[-3000:]}")
-            results["runs"][str(nproc)] = json.loads(out.read_text())
+            for name in WORKLOADS:
+                out = Path(tmp) / f"{nproc}-{name}.json"
+                command = [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", __file__, "--worker", name,
+                           "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(out), *(["--compile"] if args.compile else [])]  # fmt: skip
+                done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+                if done.returncode:
+                    raise RuntimeError(f"--nproc {nproc} {name} failed: {done.stderr[-3000:]}")
+                results["runs"].setdefault(str(nproc), {}).update(json.loads(out.read_text()))
             if not no_tf:
                 _measure_tf(tf_rates, nproc, Path(tmp))
                 tf_fp32.update({(name, nproc): statistics.median(rates) for name, rates in tf_rates.items()})

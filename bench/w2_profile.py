@@ -6,7 +6,7 @@ One process, ``--threads`` intra-op threads, fp32 and bf16-mixed (torch), the gl
 bench/workloads.py's W2. Each operator's time is its minimum over ``--steps`` profiled steps
 (robust to a busy machine's slow spells); the step's own minimum and median are beside it, with
 its minor page faults. torch: ``torch.profiler`` self CPU time, contiguous, channels_last alone,
-and the fast path's channels_last (with its edges) and ``reuse_memory``, fp32 and bf16-mixed. TensorFlow 2.21 (in .venv-tf, when it
+and the fast path (channels_last with its edges, pool_before_relu, reuse_memory), fp32 and bf16-mixed. TensorFlow 2.21 (in .venv-tf, when it
 exists): the same network in its own ops (Conv2D+BiasAdd+Relu, as Keras builds it, MaxPool,
 Reshape, MatMul, momentum SGD), per-node times from a full trace of a graph Session, which runs
 grappler's rewrites (the fused oneDNN convolution) as ``tf.function`` does. Writes
@@ -67,13 +67,13 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
     torch.set_num_threads(threads)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     results = {}
-    for config in ("contiguous", "channels_last", "fast path: channels_last+reuse_memory", "bf16-mixed, fast path: channels_last+reuse_memory"):
+    for config in ("contiguous", "channels_last", "fast path: channels_last+pool_before_relu+reuse_memory", "bf16-mixed, fast path: channels_last+pool_before_relu+reuse_memory"):
         torch.manual_seed(0)
         model = small_cnn()
         if config == "channels_last":  # the layout alone, without the fast path's edges
             model = model.to(memory_format=torch.channels_last)
         if "fast path" in config:
-            fast_path.apply(model, fast_path.FastPath(channels_last=True, reuse_memory=True))
+            fast_path.apply(model, fast_path.FastPath(channels_last=True, pool_before_relu=True, reuse_memory=True))
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         bf16 = config.startswith("bf16")
 

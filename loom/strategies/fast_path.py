@@ -37,6 +37,7 @@ import ctypes
 import functools
 import math
 import os
+import resource
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ from torch import nn
 
 CANDIDATES = ("channels_last", "pool_before_relu", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine
+FAULTS_WORTH = 1_000  # minor page faults a pass (4 MB) that reuse_memory may be kept for without a timed gain
 ROUNDS = 3  # timed forward+backward passes per candidate, interleaved
 
 
@@ -62,6 +64,7 @@ class FastPath:
     compile: bool = False
     reuse_memory: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    faults: dict[str, float] = field(default_factory=dict)  # minor page faults a forward+backward, median
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not kept
 
     @property
@@ -73,6 +76,9 @@ class FastPath:
         timings = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in self.seconds.items())
         gain = f", {eager / self.seconds[self.name]:.2f}x eager" if self.name != "eager" else ""
         why = "".join(f"; {n}: {reason}" for n, reason in self.rejected.items())
+        if self.reuse_memory and _for_faults(self.name, self.seconds, self.faults):
+            without = _without_reuse(self.name)
+            why += f"; reuse_memory kept for its page faults ({self.faults[without]:,.0f} a pass without it, {self.faults[self.name]:,.0f} with)"
         return f"loom: fast path {self.name}{gain} (forward+backward on the example batch: {timings}){why}"
 
 
@@ -138,6 +144,7 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
             plan.rejected["reuse_memory"] = _memory_refusal()
         reference = _grads(module, module, example, autocast)
         times: dict[str, list[float]] = {}
+        faults: dict[str, list[float]] = {}
         set_here = False
         try:  # without reuse_memory first, on the allocator as found: once set, glibc's is set for good
             for reuse in (False, True):
@@ -153,23 +160,31 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
                             plan.rejected[name] = problem
                 group = [name for name in group if not any(part in plan.rejected for part in name.split("+"))]
                 times.update({name: [] for name in group})
+                faults.update({name: [] for name in group})
                 for _ in range(ROUNDS):
                     for name in group:
                         with _program(module, name):
+                            before = _minor_faults()
                             times[name].append(_timed(programs[name], example, autocast))
+                            faults[name].append(_minor_faults() - before)
         finally:
             if set_here:
                 reuse_memory(False)
     # Every replica sends a time for every program it tried (inf where its own check refused
     # one), so the all-reduce has one shape everywhere and a refusal anywhere drops it everywhere.
     tried = {name: statistics.median(times[name]) if name in times else math.inf for name in tried_names}
-    plan.seconds = {name: t for name, t in _agreed(tried).items() if math.isfinite(t)}
+    tried.update({f"{name} faults": statistics.median(faults[name]) if name in faults else math.inf for name in tried_names})
+    agreed = _agreed(tried)
+    plan.seconds = {name: agreed[name] for name in tried_names if math.isfinite(agreed[name])}
+    plan.faults = {name: agreed[f"{name} faults"] for name in plan.seconds}
     for name in tried_names:
         if name not in plan.seconds and not any(part in plan.rejected for part in name.split("+")):
             plan.rejected[name] = "computes differently on another replica, not kept"
     chosen = "eager"
     for name in sorted(plan.seconds, key=lambda n: (n.count("+"), plan.seconds[n])):
         if plan.seconds[chosen] / plan.seconds[name] >= MIN_GAIN:
+            chosen = name
+        elif _without_reuse(name) == chosen and _for_faults(name, plan.seconds, plan.faults):
             chosen = name
     for part in chosen.split("+"):
         if part != "eager":
@@ -178,6 +193,25 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
         if name != "eager" and "+" not in name and not getattr(plan, name):
             plan.rejected.setdefault(name, f"{plan.seconds['eager'] / plan.seconds[name]:.2f}x eager, not kept")
     return plan
+
+
+def _without_reuse(name: str) -> str:
+    return "+".join(p for p in name.split("+") if p != "reuse_memory") or "eager"
+
+
+def _for_faults(name: str, seconds: dict[str, float], faults: dict[str, float]) -> bool:
+    """Whether ``name`` adds reuse_memory to a program that faults thousands of pages a pass, ends
+    nearly all of them, and is not slower beyond the noise: its gain is sure in the faults, less
+    so in a forward+backward's time than in a training step's (a step frees and allocates more)."""
+    without = _without_reuse(name)
+    if not _reuses(name) or without not in seconds or name not in faults:
+        return False
+    cut = faults[without] >= FAULTS_WORTH and faults[name] <= faults[without] / 10
+    return cut and seconds[without] / seconds[name] >= 1 / MIN_GAIN
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _reuses(name: str) -> bool:

@@ -188,6 +188,24 @@ def test_reuse_memory_pairs_with_channels_last_only_when_the_pair_is_faster_and_
     assert not fast_path._reusing and _faults_of_a_64mib_block_made_again() > 10_000  # the trial set the allocator back
 
 
+def test_reuse_memory_is_kept_for_the_page_faults_it_ends_when_it_is_not_slower(monkeypatch, allocator):
+    faults = [0]
+
+    def timed(run, example, autocast):  # as fast either way; 5,000 page faults a pass unless memory is kept
+        faults[0] += 0 if fast_path._reusing else 5_000
+        return 1.0 if fast_path._reusing else 0.99
+
+    monkeypatch.setattr(fast_path, "_timed", timed)
+    monkeypatch.setattr(fast_path, "_minor_faults", lambda: faults[0])
+    plan = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert plan.name == "reuse_memory"
+    assert plan.line().endswith("; reuse_memory kept for its page faults (5,000 a pass without it, 0 with)")
+    fast_path.reuse_memory(False)
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: timed(run, example, autocast) * (1.2 if fast_path._reusing else 1.0))
+    slower = fast_path.choose(convnet(), batches(1)[0][0], ["reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
+    assert slower.name == "eager" and slower.rejected == {"reuse_memory": "0.83x eager, not kept"}
+
+
 def test_reuse_memory_is_refused_where_the_process_sets_its_allocator(monkeypatch, allocator):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     plan = fast_path.choose(convnet(), batches(1)[0][0], ["channels_last", "reuse_memory"], lambda: torch.autocast("cpu", enabled=False))
