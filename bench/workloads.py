@@ -98,7 +98,15 @@ def timed(step: Callable[[], None], steps: int, sync: Callable[[], None] = dist.
 
 
 def machine() -> dict[str, str | int]:
-    return {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()}
+    """What a figure was measured on: the CPU's model and whether it has AMX (bf16 matrix units)
+    change convolution timings several-fold, and shared VMs move between hosts."""
+    model, flags = platform.processor() or platform.machine(), ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)
+        model = fields.get("model name\t", model).strip()
+        flags = " ".join(f for f in fields.get("flags\t\t", "").split() if f.startswith(("amx", "avx512_bf16")))
+    return {"torch": torch.__version__, "cpu": model, "bf16_units": flags or "none", "threads": torch.get_num_threads()}
 
 
 def save(name: str, results: dict) -> Path:
