@@ -310,7 +310,7 @@ def _relu_pools(module: nn.Module) -> list[tuple[nn.Sequential, str, str]]:
     ``nn.MaxPool2d`` in an ``nn.Sequential``, neither of them hooked (a hook would see them move)."""
     pairs = []
     for container in module.modules():
-        if not isinstance(container, nn.Sequential):
+        if type(container) is not nn.Sequential:  # a subclass may run its modules in another order
             continue
         keys = list(container._modules)
         for first, second in zip(keys, keys[1:]):
