@@ -193,3 +193,11 @@ def worker_failure(where: str) -> Any:
     from torch._utils import ExceptionWrapper
 
     return ExceptionWrapper(where=where)
+
+
+def pinned(data: Any) -> Any:
+    """``data`` (tensors, or lists, tuples and dicts of them) in pinned memory, as a DataLoader's
+    pinning thread makes it."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(data)

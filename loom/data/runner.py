@@ -53,6 +53,12 @@ class _Result:
     sequence: int = -1  # process workers: the task's place in the iteration (-1: an idle task)
     failure: Any = None  # process workers: what a map or collate_fn raised, to raise in its turn
 
+    def pin_memory(self) -> _Result:
+        """What the DataLoader's and torchdata's pinning threads call (CUDA): without it they
+        would pass the result on as it is, and the copy to the device would not overlap."""
+        self.data = compat.pinned(self.data)
+        return self
+
 
 class _BatchWorker:
     """Reads, maps and collates one batch of addresses; runs in a worker thread or process."""
@@ -331,7 +337,8 @@ class PipelineLoader:
         workers, shared-memory tensors, pinning), handing results out as they finish. In order
         it ties each task to a worker when sent, so a worker ahead waits, its share done, behind
         a slower one (idle 2-3 ms of a 22 ms batch); here the order is restored instead, with
-        tasks sent at most a window ahead of the batch the loop is to get next. Threads:
+        tasks sent at most a window ahead of the oldest unfinished one, and never more than the
+        window and the DataLoader's share ahead of the batch the loop is to get next. Threads:
         ``torchdata.nodes``.
         """
         depth = self._prefetch_depth()
@@ -339,11 +346,12 @@ class PipelineLoader:
             factor = max(1, -(-depth // self.workers))
             # The DataLoader keeps workers x factor tasks unanswered; a window as large again lets
             # answered ones wait for a slower batch without stopping the workers ahead of it.
-            window = 2 * self.workers * factor if self.pipeline.deterministic else self.workers * factor
+            in_flight = self.workers * factor
+            ahead = 3 * in_flight if self.pipeline.deterministic else in_flight  # at most, past the loop
             if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
-                self._buffers = BatchBuffers(window + HELD_BATCHES)
+                self._buffers = BatchBuffers(ahead + HELD_BATCHES)
             if self.pipeline.deterministic:
-                self._window = _Window(window, self.workers)
+                self._window = _Window(2 * in_flight, ahead, self.workers)
             return DataLoader(
                 _Tasks(self._worker, self._buffers, self._window),
                 batch_size=None,
@@ -427,29 +435,32 @@ class _ChunkNode(BaseNode[Chunk]):
 
 
 class _Window:
-    """How far tasks run ahead of the oldest unfinished one, so workers ahead of a slow batch do
-    not read on without bound. Workers mark what they finish in shared memory: the DataLoader
+    """How far tasks run ahead: ``size`` past the oldest unfinished one, so workers ahead of a
+    slow batch do not read on without bound, and ``ahead`` past the batch the loop is to get next
+    (the shared buffers' count). Workers mark what they finish in shared memory: the DataLoader
     sends its next task as a result arrives, before the loop sees it, and a window counted from
-    the batches handed out would then still be full, its free slots idle tasks at a pass's end."""
+    the batches handed out alone would then still be full, its free slots idle tasks at a pass's end."""
 
-    def __init__(self, size: int, workers: int) -> None:
+    def __init__(self, size: int, ahead: int, workers: int) -> None:
         self.size = size
+        self.ahead = ahead
         self.finished = torch.full((size,), -1, dtype=torch.int64).share_memory_()  # slot s % size: s, once done
         self.idle_done = torch.zeros(max(workers, 1), dtype=torch.int64).share_memory_()  # per worker
         self.sent = 0
         self.oldest = 0  # the oldest task not known to be finished
+        self.handed = 0  # results handed to the loop
         self.idle_taken = 0
 
     def reset(self) -> None:
         """A new iteration: the workers have finished or discarded the earlier one's tasks."""
         self.finished.fill_(-1)
         self.idle_done.zero_()
-        self.sent = self.oldest = self.idle_taken = 0
+        self.sent = self.oldest = self.handed = self.idle_taken = 0
 
     def full(self) -> bool:
         while self.oldest < self.sent and int(self.finished[self.oldest % self.size]) == self.oldest:
             self.oldest += 1
-        return self.sent - self.oldest >= self.size
+        return self.sent - self.oldest >= self.size or self.sent - self.handed >= self.ahead
 
     def finish(self, sequence: int) -> None:
         """In a worker: task ``sequence`` is done (-1: an idle task)."""
@@ -527,11 +538,10 @@ def _in_sequence(results: Iterator[_Result], window: _Window) -> Iterator[_Resul
     be handed out: each one taken sends a task, and left in the queue it would keep the workers
     without one while the loop trains on those earlier results (or past a pass's end)."""
     early: dict[int, _Result] = {}
-    wanted = 0
     while True:
-        if wanted in early and not window.idle_waiting():
-            wanted += 1
-            yield early.pop(wanted - 1)
+        if window.handed in early and not window.idle_waiting():
+            window.handed += 1
+            yield early.pop(window.handed - 1)
             continue
         result = next(results, None)
         if result is None:

@@ -437,6 +437,27 @@ def test_process_workers_read_the_next_pass_while_the_loop_finishes_this_one(tmp
     assert len(noted.read_text().split()) > one_pass, "no element of the next pass was read ahead"
 
 
+def _slow_every_25th_batch(path, x):
+    time.sleep(0.5 if int(x) % 100 == 40 else 0.0)  # batches 10, 35, ... of 4
+    return _noted(path, x)
+
+
+def test_read_ahead_stays_within_the_shared_buffers_when_the_loop_lags_after_a_slow_batch(tmp_path, monkeypatch):
+    from loom.data import shared_batches
+
+    misses, claim = [], shared_batches.BatchBuffers.claim
+    monkeypatch.setattr(shared_batches.BatchBuffers, "claim", lambda self: misses.append(None) if (got := claim(self)) is None else got)
+    noted = tmp_path / "read"
+    noted.write_text("")
+    loader = ld.from_source(Shards([1000])).map(functools.partial(_slow_every_25th_batch, noted), num_parallel=2, method="process").batch(4).loader()
+    ahead = []
+    for k, batch in zip(range(70), loader):
+        assert batch[0].item() == 40 * k
+        ahead.append(len(noted.read_text().split()) // 4 - (k + 1))
+        time.sleep(0.02)  # a loop slower than the workers, once the slow batch is past
+    assert max(ahead) <= loader._window.ahead and not misses, (max(ahead), len(misses))
+
+
 def _fails_on_7(x):
     time.sleep(0.2 if int(x) == 0 else 0.0)  # batch 1's error is ready before batch 0
     if int(x) == 7:
