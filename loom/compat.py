@@ -201,3 +201,11 @@ def pinned(data: Any) -> Any:
     from torch.utils.data._utils.pin_memory import pin_memory
 
     return pin_memory(data)
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks registered for every module (``nn.modules.module.register_module_*_hook``) exist."""
+    from torch.nn.modules import module
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
+    return any(getattr(module, name, None) for name in names)

@@ -14,9 +14,10 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
 - ``"pool_before_relu"``: a ReLU followed by a max-pool in an ``nn.Sequential`` runs after it
   instead, on a quarter of the elements (2x2 pools). Max commutes with a non-decreasing function,
   and the gradient reaches the same element (the first largest, or none where the largest is not
-  positive), so outputs and gradients are those of eager; ReLU forward and backward were a sixth
-  of a W2 step. The two modules swap places in their ``nn.Sequential`` (neither holds
-  parameters or buffers, so the state dict is unchanged); a pair with hooks is left alone;
+  positive), so outputs and gradients are those of eager (a zero output may change sign); ReLU
+  forward and backward were a sixth of a W2 step. Only the container's forward changes: the
+  modules stay where they are (names, indices, slices and the state dict are as before), and a
+  pair with hooks, even hooks added later, runs in its own order;
 - ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
 - ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
   back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
@@ -48,6 +49,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from loom import compat
 
 CANDIDATES = ("channels_last", "pool_before_relu", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine
@@ -123,10 +126,9 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
             programs["channels_last"] = module  # converted in place while timed
         else:
             plan.rejected["channels_last"] = "no 2-D convolution"
-    if "pool_before_relu" in candidates:
-        if _relu_pools(module):  # with channels_last too: both are rewrites of the eager module
-            programs.update({"+".join(p for p in (name, "pool_before_relu") if p != "eager"): module for name in list(programs)})
-        else:
+    if "pool_before_relu" in candidates:  # tried everywhere, refused where it has nothing to do: hooks may differ by replica
+        programs.update({"+".join(p for p in (name, "pool_before_relu") if p != "eager"): module for name in list(programs)})
+        if not _relu_pools(module):
             plan.rejected["pool_before_relu"] = "no nn.ReLU followed by an nn.MaxPool2d in an nn.Sequential (without hooks)"
     if "compile" in candidates:
         programs["compile"] = torch.compile(module)
@@ -232,7 +234,7 @@ def apply(module: nn.Module, plan: FastPath) -> None:
         module.to(memory_format=torch.channels_last)
         _channels_last_edges(module)
     if plan.pool_before_relu:
-        _swap(_relu_pools(module))
+        _pool_before_relu(_relu_pools(module), True)
     if plan.reuse_memory:
         reuse_memory(True)
 
@@ -296,39 +298,54 @@ def _agreed(seconds: dict[str, float]) -> dict[str, float]:
 def _program(module: nn.Module, name: str) -> Iterator[None]:
     """``module`` rewritten as program ``name`` asks (channels_last, pool_before_relu) while timed."""
     parts = name.split("+")
-    pairs = _relu_pools(module) if "pool_before_relu" in parts else []
+    containers = _relu_pools(module) if "pool_before_relu" in parts else []
     with _layout(module, "channels_last" in parts):
-        _swap(pairs)
+        _pool_before_relu(containers, True)
         try:
             yield
         finally:
-            _swap(pairs)
+            _pool_before_relu(containers, False)
 
 
-def _relu_pools(module: nn.Module) -> list[tuple[nn.Sequential, str, str]]:
-    """Each (container, ReLU's key, max-pool's key) where an ``nn.ReLU`` runs just before an
-    ``nn.MaxPool2d`` in an ``nn.Sequential``, neither of them hooked (a hook would see them move)."""
-    pairs = []
-    for container in module.modules():
-        if type(container) is not nn.Sequential:  # a subclass may run its modules in another order
-            continue
-        keys = list(container._modules)
-        for first, second in zip(keys, keys[1:]):
-            relu, pool = container._modules[first], container._modules[second]
-            if type(relu) is nn.ReLU and type(pool) is nn.MaxPool2d and not pool.return_indices and not (_hooked(relu) or _hooked(pool)):
-                pairs.append((container, first, second))
-    return pairs
+def _relu_pools(module: nn.Module) -> list[nn.Sequential]:
+    """The plain ``nn.Sequential`` containers (a subclass may run its modules in another order) in
+    which an ``nn.ReLU`` runs just before an ``nn.MaxPool2d``, neither of them hooked."""
+    return [m for m in module.modules() if type(m) is nn.Sequential and "forward" not in vars(m) and _pairs(m)]
 
 
-def _hooked(module: nn.Module) -> bool:
+def _pairs(container: nn.Sequential) -> int:
+    modules = list(container._modules.values())
+    return sum(_swappable(a, b) for a, b in zip(modules, modules[1:]))
+
+
+def _swappable(relu: Any, pool: Any) -> bool:
+    """A hook would see other values (a hook on the ReLU, pooled ones), so hooked modules are not."""
+    if type(relu) is not nn.ReLU or type(pool) is not nn.MaxPool2d or pool.return_indices:
+        return False
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, name, None) for name in hooks)
+    return not compat.global_module_hooks() and not any(getattr(m, h) for m in (relu, pool) for h in hooks)
 
 
-def _swap(pairs: list[tuple[nn.Sequential, str, str]]) -> None:
-    """Swap each pair's modules in place (the keys keep their order: the state dict is the same)."""
-    for container, first, second in pairs:
-        container._modules[first], container._modules[second] = container._modules[second], container._modules[first]
+def _pool_before_relu(containers: list[nn.Sequential], on: bool) -> None:
+    for container in containers:
+        if on:
+            container.forward = functools.partial(_forward_pool_before_relu, container)
+        else:
+            del container.forward
+
+
+def _forward_pool_before_relu(container: nn.Sequential, input: Any) -> Any:
+    """``nn.Sequential``'s forward, with each ReLU that a max-pool follows run after the pool."""
+    modules = list(container._modules.values())
+    i = 0
+    while i < len(modules):
+        if i + 1 < len(modules) and _swappable(modules[i], modules[i + 1]):
+            input = modules[i](modules[i + 1](input))
+            i += 2
+        else:
+            input = modules[i](input)
+            i += 1
+    return input
 
 
 @contextmanager

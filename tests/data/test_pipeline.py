@@ -521,3 +521,16 @@ def test_workers_ahead_of_a_slow_batch_read_at_most_a_window_ahead(tmp_path):
     first = next(iter(loader))
     assert first.tolist() == [0, 10, 20, 30]
     assert len(noted.read_text().split()) <= 16 * 4, "the worker ahead read on past the window"
+
+
+def test_a_result_pins_its_batch_when_the_pinning_thread_asks(monkeypatch):
+    """On CUDA the DataLoader's pinning thread pins what has a ``pin_memory``; a result without
+    one went on unpinned, and the copy to the device could not overlap."""
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    from loom import compat
+    from loom.data.runner import _Result
+
+    monkeypatch.setattr(compat, "pinned", lambda data: ("pinned", data))
+    result = _Result(data=torch.ones(2))
+    assert pin_memory(result) is result and result.data[0] == "pinned"

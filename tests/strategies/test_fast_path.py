@@ -92,7 +92,7 @@ def poolnet() -> nn.Module:
 
 
 def test_pool_before_relu_when_faster_trains_as_eager_does_and_leaves_the_state_dict_as_it_was(monkeypatch, capsys):
-    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 1.0 if isinstance(run[1], nn.ReLU) else 0.8)
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 0.8 if "forward" in vars(run) else 1.0)
     data = batches()
     trained, nets = {}, {}
     for fast in (True, False):
@@ -107,8 +107,10 @@ def test_pool_before_relu_when_faster_trains_as_eager_does_and_leaves_the_state_
         trained[fast] = net.state_dict()
         assert list(trained[fast]) == keys
     assert capsys.readouterr().out.startswith("loom: fast path pool_before_relu, 1.25x eager")
-    assert [type(m) for m in nets[True]] == [nn.Conv2d, nn.MaxPool2d, nn.ReLU, nn.Flatten, nn.Linear]
-    assert [type(m) for m in nets[False]] == [nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear]
+    assert "forward" in vars(nets[True]) and "forward" not in vars(nets[False])
+    assert [type(m) for m in nets[True]] == [nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear]  # in place
+    x = data[0][0]
+    assert torch.equal(nets[True][:2](x), F.relu(nets[True][0](x)))  # a slice is the model's own layers
     for key, value in trained[False].items():
         assert torch.equal(trained[True][key], value), key
 
@@ -126,11 +128,39 @@ def test_max_pool_then_relu_gives_relus_outputs_and_gradients_where_windows_tie_
     assert torch.equal(outs[0][1], outs[1][1])
 
 
-def test_pool_before_relu_leaves_hooked_modules_alone():
+def test_pool_before_relu_leaves_hooked_modules_alone_even_when_hooked_after_prepare(monkeypatch):
     net = poolnet()
-    net[1].register_forward_hook(lambda m, args, out: None)
+    handle = net[1].register_forward_hook(lambda m, args, out: None)
     plan = fast_path.choose(net, batches(1)[0][0], ["pool_before_relu"], lambda: torch.autocast("cpu", enabled=False))
     assert plan.rejected == {"pool_before_relu": "no nn.ReLU followed by an nn.MaxPool2d in an nn.Sequential (without hooks)"}
+    handle.remove()
+    fast_path.apply(net, fast_path.FastPath(pool_before_relu=True))
+    seen = []
+    net[1].register_forward_hook(lambda m, args, out: seen.append(args[0].shape))
+    x = batches(1)[0][0]
+    net(x)
+    assert seen == [net[0](x).shape]  # the ReLU's own input: the pair runs in its order once hooked
+
+
+def _one_rank_hooks_the_relu() -> tuple[dict[str, str], list[str]]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    net = poolnet()
+    if dist.get_rank() == 0:  # activations logged on the chief only
+        net[1].register_forward_hook(lambda m, args, out: None)
+    plan = fast_path.choose(net, batches(1)[0][0], ["pool_before_relu"], lambda: torch.autocast("cpu", enabled=False))
+    dist.destroy_process_group()
+    return plan.rejected, sorted(plan.seconds)
+
+
+def test_replicas_whose_hooks_differ_try_the_same_programs_and_agree():
+    from tests.helpers import run_ranks
+
+    (rejected0, timed0), (rejected1, timed1) = run_ranks(_one_rank_hooks_the_relu, 2, timeout=60)
+    assert timed0 == timed1 == ["eager"]
+    assert rejected0["pool_before_relu"].startswith("no nn.ReLU followed by an nn.MaxPool2d")
+    assert rejected1["pool_before_relu"] == "computes differently on another replica, not kept"
 
 
 def test_a_candidate_that_computes_differently_is_refused():
