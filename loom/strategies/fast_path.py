@@ -79,8 +79,8 @@ class FastPath:
         timings = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in self.seconds.items())
         gain = f", {eager / self.seconds[self.name]:.2f}x eager" if self.name != "eager" else ""
         why = "".join(f"; {n}: {reason}" for n, reason in self.rejected.items())
-        if self.reuse_memory and _for_faults(self.name, self.seconds, self.faults):
-            without = _without_reuse(self.name)
+        without = _without_reuse(self.name)
+        if self.reuse_memory and _for_faults(self.name, self.seconds, self.faults) and self.seconds[without] / self.seconds[self.name] < MIN_GAIN:
             why += f"; reuse_memory kept for its page faults ({self.faults[without]:,.0f} a pass without it, {self.faults[self.name]:,.0f} with)"
         return f"loom: fast path {self.name}{gain} (forward+backward on the example batch: {timings}){why}"
 
