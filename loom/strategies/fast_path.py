@@ -15,9 +15,10 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
   instead, on a quarter of the elements (2x2 pools). Max commutes with a non-decreasing function,
   and the gradient reaches the same element (the first largest, or none where the largest is not
   positive), so outputs and gradients are those of eager (a zero output may change sign); ReLU
-  forward and backward were a sixth of a W2 step. Only the container's forward changes: the
-  modules stay where they are (names, indices, slices and the state dict are as before), and a
-  pair with hooks, even hooks added later, runs in its own order;
+  forward and backward were a sixth of a W2 step. Only the container's class changes, to
+  ``PoolBeforeReluSequential`` (its forward): the modules stay where they are (names, indices,
+  slices and the state dict are as before), a pair with hooks, even hooks added later, runs in
+  its own order, and ``torch.jit.script`` compiles it as a plain ``nn.Sequential``;
 - ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
 - ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
   back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
@@ -34,6 +35,7 @@ mean timings, so they all run the same program.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import math
@@ -327,25 +329,34 @@ def _swappable(relu: Any, pool: Any) -> bool:
 
 
 def _pool_before_relu(containers: list[nn.Sequential], on: bool) -> None:
+    """Give each container the class whose forward runs the pairs pool first, or take it back."""
     for container in containers:
-        if on:
-            container.forward = functools.partial(_forward_pool_before_relu, container)
-        else:
-            del container.forward
+        container.__class__ = PoolBeforeReluSequential if on else nn.Sequential
 
 
-def _forward_pool_before_relu(container: nn.Sequential, input: Any) -> Any:
-    """``nn.Sequential``'s forward, with each ReLU that a max-pool follows run after the pool."""
-    modules = list(container._modules.values())
-    i = 0
-    while i < len(modules):
-        if i + 1 < len(modules) and _swappable(modules[i], modules[i + 1]):
-            input = modules[i](modules[i + 1](input))
-            i += 2
-        else:
-            input = modules[i](input)
-            i += 1
-    return input
+class PoolBeforeReluSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose forward runs each ReLU that a max-pool follows after the pool
+    (the fast path's ``pool_before_relu``). A pair is checked at each call: a module replaced
+    or hooked since runs in its own order."""
+
+    def forward(self, input: Any) -> Any:
+        modules = list(self._modules.values())
+        i = 0
+        while i < len(modules):
+            if i + 1 < len(modules) and _swappable(modules[i], modules[i + 1]):
+                input = modules[i](modules[i + 1](input))
+                i += 2
+            else:
+                input = modules[i](input)
+                i += 1
+        return input
+
+    def __prepare_scriptable__(self) -> nn.Sequential:
+        """What ``torch.jit.script`` compiles: the same modules as a plain ``nn.Sequential``
+        (TorchScript cannot take the checks above; the values are the same in eager's order)."""
+        plain = copy.copy(self)
+        plain.__class__ = nn.Sequential
+        return plain
 
 
 @contextmanager

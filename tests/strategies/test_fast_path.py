@@ -1,5 +1,7 @@
 """The measured fast path: it keeps what is faster, computes what eager computes, and says so."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,7 +94,7 @@ def poolnet() -> nn.Module:
 
 
 def test_pool_before_relu_when_faster_trains_as_eager_does_and_leaves_the_state_dict_as_it_was(monkeypatch, capsys):
-    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 0.8 if "forward" in vars(run) else 1.0)
+    monkeypatch.setattr(fast_path, "_timed", lambda run, example, autocast: 0.8 if type(run) is not nn.Sequential else 1.0)
     data = batches()
     trained, nets = {}, {}
     for fast in (True, False):
@@ -107,7 +109,7 @@ def test_pool_before_relu_when_faster_trains_as_eager_does_and_leaves_the_state_
         trained[fast] = net.state_dict()
         assert list(trained[fast]) == keys
     assert capsys.readouterr().out.startswith("loom: fast path pool_before_relu, 1.25x eager")
-    assert "forward" in vars(nets[True]) and "forward" not in vars(nets[False])
+    assert type(nets[True]) is fast_path.PoolBeforeReluSequential and type(nets[False]) is nn.Sequential
     assert [type(m) for m in nets[True]] == [nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear]  # in place
     x = data[0][0]
     assert torch.equal(nets[True][:2](x), F.relu(nets[True][0](x)))  # a slice is the model's own layers
@@ -140,6 +142,18 @@ def test_pool_before_relu_leaves_hooked_modules_alone_even_when_hooked_after_pre
     x = batches(1)[0][0]
     net(x)
     assert seen == [net[0](x).shape]  # the ReLU's own input: the pair runs in its order once hooked
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")
+def test_pool_before_relu_survives_shallow_copies_and_torchscript():
+    net = poolnet()
+    fast_path.apply(net, fast_path.FastPath(pool_before_relu=True))
+    x = batches(1)[0][0]
+    want = net(x)
+    replica = copy.copy(net)  # how DataParallel's replicas are made: the instance's own modules must run
+    replica._modules = {**replica._modules, "4": nn.Linear(4 * 3 * 3, 3)}
+    assert replica(x).shape == want.shape and not torch.equal(replica(x), want)
+    assert torch.equal(torch.jit.script(net)(x), want)  # compiled as a plain nn.Sequential
 
 
 def _one_rank_hooks_the_relu() -> tuple[dict[str, str], list[str]]:
