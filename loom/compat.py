@@ -196,11 +196,11 @@ def worker_failure(where: str) -> Any:
 
 
 def pinned(data: Any) -> Any:
-    """``data`` (tensors, or lists, tuples and dicts of them) in pinned memory, as a DataLoader's
-    pinning thread makes it."""
-    from torch.utils.data._utils.pin_memory import pin_memory
+    """``data`` (tensors, or lists, tuples and dicts of them) with its CPU tensors in pinned
+    memory; a map's tensors already on the device stay as they are."""
+    from torch.utils._pytree import tree_map
 
-    return pin_memory(data)
+    return tree_map(lambda t: t.pin_memory() if isinstance(t, torch.Tensor) and t.device.type == "cpu" else t, data)
 
 
 def global_module_hooks() -> bool:
