@@ -24,7 +24,8 @@ from torch.utils.data import default_collate
 from loom import compat
 
 ALIGN = 64  # bytes: each tensor of a batch starts on a cache line
-CAPACITY = 256 << 20  # bytes a buffer can hold; shared memory takes only the pages a batch touches
+BUDGET = 1 << 30  # bytes of shared memory a loader's buffers take in all: torch commits a buffer's whole size
+CAPACITY = 64 << 20  # bytes a buffer holds at most
 
 
 @dataclass(frozen=True)
@@ -37,11 +38,16 @@ class InBuffer:
 
 
 class BatchBuffers:
-    """``count`` buffers shared with the workers; made in the training process before they start."""
+    """``count`` buffers shared with the workers; made in the training process before they start.
 
-    def __init__(self, count: int, capacity: int = CAPACITY) -> None:
-        self.capacity = capacity
-        self.storages = [torch.UntypedStorage._new_shared(capacity) for _ in range(count)]
+    torch allocates a shared buffer's whole size at once (so that a full ``/dev/shm`` fails here,
+    not as a bus error in a worker), so the buffers share a budget: with 27 of them each holds
+    38 MiB, and a larger batch travels the usual way.
+    """
+
+    def __init__(self, count: int, capacity: int | None = None) -> None:
+        self.capacity = capacity if capacity is not None else min(CAPACITY, BUDGET // max(count, 1) // 64 * 64)
+        self.storages = [torch.UntypedStorage._new_shared(self.capacity) for _ in range(count)]
         self.in_flight: set[int] = set()  # given to a task, its batch not handed out yet
 
     def claim(self) -> int | None:
