@@ -534,3 +534,16 @@ def test_a_result_pins_its_batch_when_the_pinning_thread_asks(monkeypatch):
     monkeypatch.setattr(compat, "pinned", lambda data: ("pinned", data))
     result = _Result(data=torch.ones(2))
     assert pin_memory(result) is result and result.data[0] == "pinned"
+
+
+def test_a_loaders_shared_buffers_stay_within_their_budget():
+    """torch commits a shared buffer's whole size: 27 buffers of 256 MiB ran the suite out of memory."""
+    from loom.data.shared_batches import BUDGET, CAPACITY, BatchBuffers
+
+    def shmem() -> int:
+        return next(int(line.split()[1]) << 10 for line in open("/proc/meminfo") if line.startswith("Shmem:"))
+
+    before = shmem()
+    buffers = BatchBuffers(27)
+    assert buffers.capacity * 27 <= BUDGET and BatchBuffers(3).capacity == CAPACITY
+    assert shmem() - before < BUDGET + (64 << 20)  # what the machine gave, with room for its other users
