@@ -75,13 +75,13 @@ def worker(rounds: int, steps: int, candidates: list[str], name: str, out: str) 
         contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
         allocator[contender] = "reuse_memory" in lines[contender].split(" (")[0]
     for contender, run in contenders.items():
-        _allocator(fast_path, allocator[contender])
+        _allocator(allocator[contender])
         run()
     seconds: dict[str, list[float]] = {c: [] for c in contenders}
     order = list(contenders)
     for r in range(rounds):
         for contender in order[r % len(order):] + order[: r % len(order)]:
-            _allocator(fast_path, allocator[contender])  # process-wide: each contender runs on its own choice
+            _allocator(allocator[contender])  # process-wide: each contender runs on its own choice
             contenders[contender]()  # untimed: after a change of allocator, its heap fills
             _barrier()
             start = time.perf_counter()
@@ -99,7 +99,7 @@ def worker(rounds: int, steps: int, candidates: list[str], name: str, out: str) 
         Path(out).write_text(json.dumps(results))
 
 
-def _allocator(fast_path, reuse: bool) -> None:
+def _allocator(reuse: bool) -> None:
     if fast_path._reusing != reuse:
         fast_path.reuse_memory(reuse)
 

@@ -46,7 +46,7 @@ class BatchBuffers:
     """
 
     def __init__(self, count: int, capacity: int | None = None) -> None:
-        self.capacity = capacity if capacity is not None else min(CAPACITY, BUDGET // max(count, 1) // 64 * 64)
+        self.capacity = capacity if capacity is not None else min(CAPACITY, BUDGET // max(count, 1) // ALIGN * ALIGN)
         self.storages = [torch.UntypedStorage._new_shared(self.capacity) for _ in range(count)]
         self.in_flight: set[int] = set()  # given to a task, its batch not handed out yet
 

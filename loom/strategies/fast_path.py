@@ -312,12 +312,12 @@ def _program(module: nn.Module, name: str) -> Iterator[None]:
 def _relu_pools(module: nn.Module) -> list[nn.Sequential]:
     """The plain ``nn.Sequential`` containers (a subclass may run its modules in another order) in
     which an ``nn.ReLU`` runs just before an ``nn.MaxPool2d``, neither of them hooked."""
-    return [m for m in module.modules() if type(m) is nn.Sequential and "forward" not in vars(m) and _pairs(m)]
+    return [m for m in module.modules() if type(m) is nn.Sequential and "forward" not in vars(m) and _has_pairs(m)]
 
 
-def _pairs(container: nn.Sequential) -> int:
+def _has_pairs(container: nn.Sequential) -> bool:
     modules = list(container._modules.values())
-    return sum(_swappable(a, b) for a, b in zip(modules, modules[1:]))
+    return any(_swappable(a, b) for a, b in zip(modules, modules[1:]))
 
 
 def _swappable(relu: Any, pool: Any) -> bool:

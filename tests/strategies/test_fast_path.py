@@ -121,9 +121,12 @@ def test_max_pool_then_relu_gives_relus_outputs_and_gradients_where_windows_tie_
     x = torch.tensor([[-1.0, -2.0, 3.0, 3.0, 0.0, -0.5, 2.0, float("nan")], [-3.0, -4.0, 1.0, 3.0, 0.0, -1.0, 5.0, 1.0]]).view(1, 1, 2, 8)
     grad = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
     outs = []
-    for order in ((nn.ReLU(), nn.MaxPool2d(2)), (nn.MaxPool2d(2), nn.ReLU())):
+    for rewritten in (False, True):  # eager's ReLU then max-pool, and the fast path's container
+        net = nn.Sequential(nn.ReLU(), nn.MaxPool2d(2))
+        fast_path.apply(net, fast_path.FastPath(pool_before_relu=rewritten))
+        assert (type(net) is fast_path.PoolBeforeReluSequential) == rewritten
         leaf = x.clone().requires_grad_()
-        out = nn.Sequential(*order)(leaf)
+        out = net(leaf)
         out.backward(grad)
         outs.append((out.detach(), leaf.grad))
     assert torch.equal(outs[0][0].nan_to_num(), outs[1][0].nan_to_num()) and outs[0][0].isnan().equal(outs[1][0].isnan())
