@@ -58,6 +58,9 @@ class HealthMonitor:
         self._thread: threading.Thread | None = None
         self._previous_excepthook = sys.excepthook
         self._failed_in_last = False  # this rank's newest collective raised: its record says it is stuck there
+        # This rank is failing and says why: the agent's SIGTERM must not relabel it a victim,
+        # nor cut it off before its error is recorded.
+        self._failing = self._reported = False
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(
@@ -264,6 +267,7 @@ class HealthMonitor:
             asked = collective_log.request(self._store, prefix)
             records = collective_log.collect(self._store, prefix, self.spec.world_size, asked, wait=3 * self.interval)
             found = explain(records, self.spec.world_size) if len(records) == self.spec.world_size else None
+            self._failing = self._failing or bool(found)  # before the others read the finding and exit
             self._store.set(finding, json.dumps({"rank": self.spec.rank, "found": found}))
             return HangError(found) if found else None
         try:
@@ -273,9 +277,12 @@ class HealthMonitor:
             return None
         if not answer["found"]:
             return None
-        return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: rank {answer['rank']} found the job hung: {answer['found']}")
+        reason = f"rank {answer['rank']} found the job hung: {answer['found']}"
+        self.post_failure(reason, victim=True)
+        return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: {reason}")
 
     def _excepthook(self, exc_type, exc, tb) -> None:
+        self._failing = True  # it leaves by itself, once it has said why
         if not isinstance(exc, LoomError) and looks_distributed(exc):
             error = self.failure_error(exc)  # name the dead peer, or where the collectives part
             if error is not None:
@@ -288,9 +295,14 @@ class HealthMonitor:
             os._exit(RankFailureError.EXIT_CODE)  # skip teardown: the group is broken and may hang
         self.post_failure("".join(traceback.format_exception_only(exc_type, exc)).strip())
         self._previous_excepthook(exc_type, exc, tb)
+        self._reported = True
 
     def _on_sigterm(self, signum, frame) -> None:
         # The agent terminates the survivors once one worker has failed: say which one.
+        if self._failing:  # this rank is saying why it fails: once its error is recorded, nothing is lost by leaving
+            if self._reported:
+                os._exit(1)
+            return
         reason = self.diagnose(sample_heartbeats=False)
         if not reason and preemption.armed():
             preemption.request()  # a preemption notice: save at the next step boundary

@@ -115,6 +115,30 @@ def test_user_error_on_one_rank_is_reported_by_the_others(tmp_path):
     assert "loom: job failed: rank 1 on" in done.stderr
 
 
+def test_the_failing_rank_keeps_its_own_story_when_the_agent_stops_it_midway(tmp_path):
+    # Rank 1 stops (as a victim does) while rank 0 is still formatting its error: the agent's
+    # SIGTERM reaches rank 0 then, and must neither cut its record short nor relabel it a victim.
+    script = tmp_path / "slow_error.py"
+    script.write_text(
+        "import os, time, loom\n"
+        "class SlowError(Exception):\n"
+        "    def __str__(self):\n"
+        "        time.sleep(4)\n"
+        "        return 'slow to say'\n"
+        "def main():\n"
+        "    s = loom.MirroredStrategy()\n"
+        "    s.barrier()\n"
+        "    if s.replica_id == 1:\n"
+        "        time.sleep(1)\n"
+        "        os._exit(75)\n"
+        "    raise SlowError()\n"
+        "loom.launch(main)\n"
+    )
+    done = loom_run(["run", "--nproc", "2", "--timeout", "20", str(script)], timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1].endswith("failed: SlowError: slow to say; rank(s) 1 stopped because of it"), done.stderr
+
+
 def test_ranks_failing_alike_print_the_traceback_once(tmp_path):
     script = tmp_path / "all_fail.py"
     script.write_text(
