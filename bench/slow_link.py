@@ -344,7 +344,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps per block (DiLoCo: --sync-every)")
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--quality-steps", type=int, default=300)
-    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true", help="time the link only; keep the last run's losses")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -359,7 +359,11 @@ def main() -> None:
         run_hosts(args, out)
         measured = json.loads(out.read_text())
         quality = None
-        if not args.skip_quality:
+        if args.skip_quality:  # the losses do not depend on the link: keep the last run's, saying from when
+            kept = kept_quality()
+            if kept is not None:
+                quality, args.quality_steps, args.quality_from = kept
+        else:
             qout = Path(tmp) / "quality.json"
             done = subprocess.run([sys.executable, "-m", "loom.launch.cli", "run", "--nproc", "2", "--threads", "1", __file__,
                                    "--worker", "quality", "--quality-steps", str(args.quality_steps), "--sync-every", str(args.sync_every),
@@ -401,6 +405,18 @@ def bucket_schedule(gradients: dict, run_seconds: dict[str, float], bucket_bytes
     for i, j in zip(bounds, bounds[1:]):
         end = max(ready[j - 1], end) + run_seconds[f"{i}-{j}"]
     return end
+
+
+def kept_quality() -> tuple[dict, int, str] | None:
+    """The last saved run's losses, their step count, and the run they were measured in."""
+    path = RESULTS / "slow_link.json"
+    if not path.exists():
+        return None
+    last = json.loads(path.read_text())
+    if not last.get("quality"):
+        return None
+    when = last.get("quality_from") or f"the run of {last['time']} (--quality-steps {last['quality_steps']})"
+    return last["quality"], last["quality_steps"], when
 
 
 def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> None:
@@ -452,6 +468,8 @@ def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> No
                "ceilings": ceilings, "compute_bound_vs_raw_ddp": raw / compute, "ceiling_seconds": ceiling, "measured_floor": measured_floor,
                "contenders": rows, "quality": quality, "quality_steps": args.quality_steps, "load_average": measured["load"],
                "note": "2-core machine shared with other jobs, both hosts on it: figures taken under load"}  # fmt: skip
+    if getattr(args, "quality_from", None):
+        results["quality_from"] = args.quality_from
     print(f"saved {save('slow_link', results)}")
     plot(rows, quality, RESULTS / "slow_link.png")
 
