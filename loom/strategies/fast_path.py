@@ -19,6 +19,11 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
   ``PoolBeforeReluSequential`` (its forward): the modules stay where they are (names, indices,
   slices and the state dict are as before), a pair with hooks, even hooks added later, runs in
   its own order, and ``torch.jit.script`` compiles it as a plain ``nn.Sequential``;
+- ``"pool_kernel"``: an ``nn.MaxPool2d`` whose windows tile a channels_last CPU input pools it
+  with kernels that store each window's choice in a byte instead of eager's int64 index and write
+  the input gradient in one pass (``loom.strategies.window_max_pool``); bit for bit eager's. Its
+  kernels are compiled by ``torch.compile`` on first use (seconds, once per input shape). Only
+  the pool's class changes, to ``WindowMaxPool2d``;
 - ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
 - ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
   back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
@@ -53,8 +58,9 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import compat
+from loom.strategies import window_max_pool
 
-CANDIDATES = ("channels_last", "pool_before_relu", "compile", "reuse_memory")
+CANDIDATES = ("channels_last", "pool_before_relu", "pool_kernel", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine
 FAULTS_WORTH = 1_000  # minor page faults a pass (4 MB) that reuse_memory may be kept for without a timed gain
 ROUNDS = 3  # timed forward+backward passes per candidate, interleaved
@@ -66,6 +72,7 @@ class FastPath:
 
     channels_last: bool = False
     pool_before_relu: bool = False
+    pool_kernel: bool = False
     compile: bool = False
     reuse_memory: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
@@ -132,6 +139,12 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
         programs.update({"+".join(p for p in (name, "pool_before_relu") if p != "eager"): module for name in list(programs)})
         if not _relu_pools(module):
             plan.rejected["pool_before_relu"] = "no nn.ReLU followed by an nn.MaxPool2d in an nn.Sequential (without hooks)"
+    if "pool_kernel" in candidates:  # tried everywhere as well; an input it does not suit runs eager's pool
+        programs.update({"+".join(p for p in (name, "pool_kernel") if p != "eager"): module for name in list(programs)})
+        if example.device.type != "cpu":
+            plan.rejected["pool_kernel"] = f"its kernels are for the CPU, the batch is on {example.device.type}"
+        elif not window_max_pool.pools(module):
+            plan.rejected["pool_kernel"] = "no nn.MaxPool2d whose windows tile its input (kernel == stride, no padding or dilation)"
     if "compile" in candidates:
         programs["compile"] = torch.compile(module)
     if "reuse_memory" in candidates:
@@ -237,6 +250,8 @@ def apply(module: nn.Module, plan: FastPath) -> None:
         _channels_last_edges(module)
     if plan.pool_before_relu:
         _pool_before_relu(_relu_pools(module), True)
+    if plan.pool_kernel:
+        window_max_pool.use(window_max_pool.pools(module), True)
     if plan.reuse_memory:
         reuse_memory(True)
 
@@ -298,14 +313,17 @@ def _agreed(seconds: dict[str, float]) -> dict[str, float]:
 
 @contextmanager
 def _program(module: nn.Module, name: str) -> Iterator[None]:
-    """``module`` rewritten as program ``name`` asks (channels_last, pool_before_relu) while timed."""
+    """``module`` rewritten as program ``name`` asks (channels_last, pool_before_relu, pool_kernel) while timed."""
     parts = name.split("+")
     containers = _relu_pools(module) if "pool_before_relu" in parts else []
+    pools = window_max_pool.pools(module) if "pool_kernel" in parts else []
     with _layout(module, "channels_last" in parts):
         _pool_before_relu(containers, True)
+        window_max_pool.use(pools, True)
         try:
             yield
         finally:
+            window_max_pool.use(pools, False)
             _pool_before_relu(containers, False)
 
 
@@ -322,7 +340,7 @@ def _has_pairs(container: nn.Sequential) -> bool:
 
 def _swappable(relu: Any, pool: Any) -> bool:
     """A hook would see other values (a hook on the ReLU, pooled ones), so hooked modules are not."""
-    if type(relu) is not nn.ReLU or type(pool) is not nn.MaxPool2d or pool.return_indices:
+    if type(relu) is not nn.ReLU or type(pool) not in (nn.MaxPool2d, window_max_pool.WindowMaxPool2d) or pool.return_indices:
         return False
     hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
     return not compat.global_module_hooks() and not any(getattr(m, h) for m in (relu, pool) for h in hooks)

@@ -189,7 +189,7 @@ def test_bad_fast_path_options_get_one_line():
     strategy = loom.OneDeviceStrategy(device="cpu")
     with pytest.raises(ValueError, match=r"^prepare\(fast_path=...\) measures the model on a batch: pass example_input="):
         strategy.prepare(convnet(), fast_path=True)
-    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, pool_before_relu, compile, reuse_memory; got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, pool_before_relu, pool_kernel, compile, reuse_memory; got 'fast'$"):
         strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
 
 
