@@ -46,11 +46,13 @@ def _backward(grad: torch.Tensor, which: torch.Tensor, k: int) -> torch.Tensor:
     g = grad.float().permute(nhwc).reshape(n, h, 1, w, 1, c)
     chosen = which.float().permute(nhwc).reshape(n, h, 1, w, 1, c)
     position = k * torch.arange(float(k)).view(1, 1, k, 1, 1, 1) + torch.arange(float(k)).view(1, 1, 1, 1, k, 1)
-    out = torch.where(chosen == position, g, 0.0)  # one pass, every element written: no zero fill
+    out = torch.where(chosen == position, g, 0.0) + 0.0  # one pass, no zero fill; + 0.0: eager's -0.0 -> +0.0
     return out.reshape(n, h * k, w * k, c).to(grad.dtype).permute(0, 3, 1, 2)
 
 
 _compiled: dict[str, Any] = {}
+SHAPES = 6  # input shapes (with dtype and window) compiled at most: dynamo stops compiling past 8, and runs the Python 8x slower than eager
+_shapes: set[tuple] = set()
 
 
 def _kernel(name: str) -> Any:
@@ -58,6 +60,15 @@ def _kernel(name: str) -> Any:
     if name not in _compiled:
         _compiled[name] = torch.compile({"forward": _forward, "backward": _backward}[name], dynamic=False)
     return _compiled[name]
+
+
+def _compiled_for(x: torch.Tensor, k: int) -> bool:
+    """Whether this shape has kernels, or may have them made."""
+    key = (tuple(x.shape), x.dtype, k)
+    if key not in _shapes and len(_shapes) >= SHAPES:
+        return False
+    _shapes.add(key)
+    return True
 
 
 class _WindowMaxPool(torch.autograd.Function):
@@ -69,17 +80,19 @@ class _WindowMaxPool(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (which,) = ctx.saved_tensors
-        return _kernel("backward")(grad.contiguous(memory_format=torch.channels_last), which, ctx.k), None
+        grad = grad.contiguous(memory_format=torch.channels_last)
+        if torch.is_grad_enabled():  # create_graph: the same values through ops autograd can differentiate again
+            return _backward(grad, which, ctx.k), None
+        return _kernel("backward")(grad, which, ctx.k), None
 
 
 def window(pool: nn.MaxPool2d) -> int | None:
     """The window size of a pool whose windows tile its input (kernel == stride, square, no padding,
     dilation or ceil mode, no indices returned), else None."""
     kernel, stride = _pair(pool.kernel_size), _pair(pool.stride if pool.stride is not None else pool.kernel_size)
-    if kernel != stride or kernel[0] != kernel[1] or kernel[0] * kernel[0] > 255:
+    if kernel != stride or kernel[0] != kernel[1] or kernel[0] * kernel[0] > 256:  # positions 0..255 fit a byte
         return None
     if _pair(pool.padding) != (0, 0) or _pair(pool.dilation) != (1, 1) or pool.ceil_mode or pool.return_indices:
         return None
@@ -87,10 +100,18 @@ def window(pool: nn.MaxPool2d) -> int | None:
 
 
 def takes(x: Any, k: int) -> bool:
-    """Whether this input suits the kernel: a channels_last CPU batch whose sides ``k`` divides."""
+    """Whether this call suits the kernels: training (inference has no indices to spare) on a
+    channels_last CPU batch whose sides ``k`` divides (C=1 is both layouts: eager's), outside
+    tracing, ``torch.compile`` and ``torch.func`` transforms, which take eager's pool."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.device.type != "cpu" or x.dtype not in DTYPES:
         return False
-    return x.shape[2] % k == 0 and x.shape[3] % k == 0 and x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    if not (x.requires_grad and torch.is_grad_enabled()) or torch.jit.is_tracing() or torch.compiler.is_compiling():
+        return False
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return False
+    if x.shape[2] % k or x.shape[3] % k or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
+        return False
+    return _compiled_for(x, k)
 
 
 class WindowMaxPool2d(nn.MaxPool2d):
@@ -101,8 +122,7 @@ class WindowMaxPool2d(nn.MaxPool2d):
         k = window(self)
         if k is None or not takes(input, k):
             return super().forward(input)
-        with torch.autocast(input.device.type, enabled=False):  # the values' dtype is the input's
-            return _WindowMaxPool.apply(input, k)
+        return _WindowMaxPool.apply(input, k)
 
     def __prepare_scriptable__(self) -> nn.MaxPool2d:
         """What ``torch.jit.script`` compiles: eager's module (the same values)."""

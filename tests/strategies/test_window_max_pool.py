@@ -9,7 +9,13 @@ import loom
 from loom.strategies import fast_path, window_max_pool
 from loom.strategies.window_max_pool import WindowMaxPool2d
 
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+@pytest.fixture(autouse=True)
+def fresh_budget(monkeypatch):
+    """Each test with the whole budget of compiled shapes: past it the pool is eager's."""
+    monkeypatch.setattr(window_max_pool, "_shapes", set())
+
+
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
 def crafted(dtype: torch.dtype, k: int) -> torch.Tensor:
@@ -28,7 +34,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, b.isnan()) and torch.equal(a.masked_fill(nan, 0).view(BITS[a.dtype]), b.masked_fill(nan, 0).view(BITS[b.dtype]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("k", [2, 3])
 def test_outputs_and_gradients_are_eagers_bit_for_bit(dtype, k):
     x = crafted(dtype, k)
@@ -38,7 +44,10 @@ def test_outputs_and_gradients_are_eagers_bit_for_bit(dtype, k):
         window_max_pool.use([pool], kernel)
         leaf = x.clone().requires_grad_()
         out = pool(leaf)
-        out.backward(torch.arange(out.numel(), dtype=dtype).view_as(out) % 7)
+        assert ("WindowMaxPool" in type(out.grad_fn).__name__) == kernel
+        grad = (torch.arange(out.numel(), dtype=dtype).view_as(out) % 7).contiguous(memory_format=torch.channels_last)
+        grad[..., 0] = -0.0  # eager adds into zeros: +0.0
+        out.backward(grad)
         results.append((out, leaf.grad))
     (want, want_grad), (got, got_grad) = results
     assert same(got, want) and same(got_grad, want_grad)
@@ -49,12 +58,39 @@ def test_inputs_or_settings_it_does_not_suit_run_eagers_pool(monkeypatch):
     monkeypatch.setattr(window_max_pool, "_kernel", lambda name: pytest.fail("the kernels ran"))
     pool = nn.MaxPool2d(2)
     window_max_pool.use([pool], True)
-    cl = crafted(torch.float32, 2)
-    for x in (cl.contiguous(), cl[:, :, :11, :11].contiguous(memory_format=torch.channels_last), cl.double()):
-        assert torch.equal(pool(x).nan_to_num(), F.max_pool2d(x, 2).nan_to_num())  # NCHW, odd sides, float64
+    cl = crafted(torch.float32, 2).requires_grad_()
+    for x in (cl.contiguous(), cl[:, :, :11, :11].contiguous(memory_format=torch.channels_last), cl.double(), cl.detach()):
+        assert torch.equal(pool(x).nan_to_num(), F.max_pool2d(x, 2).nan_to_num())  # NCHW, odd sides, float64, inference
+    with torch.no_grad():
+        pool(cl)
+    assert torch.func.grad(lambda t: pool(t).nan_to_num().sum())(cl).shape == cl.shape  # torch.func: eager's
     pool.padding = 1  # changed since: eager's
     assert torch.equal(pool(cl).nan_to_num(), F.max_pool2d(cl, 2, padding=1).nan_to_num())
     assert window_max_pool.pools(nn.Sequential(nn.MaxPool2d(3, stride=2), nn.MaxPool2d(2, padding=1), nn.MaxPool2d(2, ceil_mode=True))) == []
+
+
+def test_a_gradient_penalty_differentiates_through_the_kernels_backward():
+    x = torch.randn(2, 3, 8, 8).contiguous(memory_format=torch.channels_last)
+    results = []
+    for kernel in (False, True):
+        pool = nn.MaxPool2d(2)
+        window_max_pool.use([pool], kernel)
+        leaf = x.clone().requires_grad_()
+        out = pool(leaf)
+        assert ("WindowMaxPool" in type(out.grad_fn).__name__) == kernel
+        (grad,) = torch.autograd.grad(out.pow(2).sum(), leaf, create_graph=True)
+        grad.pow(2).sum().backward()
+        results.append((grad.detach(), leaf.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_past_its_budget_of_shapes_a_pool_runs_eagers(monkeypatch):
+    monkeypatch.setattr(window_max_pool, "_shapes", {(i,) for i in range(window_max_pool.SHAPES)})
+    monkeypatch.setattr(window_max_pool, "_kernel", lambda name: pytest.fail("the kernels ran"))
+    pool = nn.MaxPool2d(2)
+    window_max_pool.use([pool], True)
+    x = crafted(torch.float32, 2).requires_grad_()
+    assert torch.equal(pool(x).nan_to_num(), F.max_pool2d(x, 2).nan_to_num())
 
 
 def net() -> nn.Module:
