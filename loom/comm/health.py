@@ -59,8 +59,8 @@ class HealthMonitor:
         self._previous_excepthook = sys.excepthook
         self._failed_in_last = False  # this rank's newest collective raised: its record says it is stuck there
         # This rank is failing and says why: the agent's SIGTERM must not relabel it a victim,
-        # nor cut it off before its error is recorded.
-        self._failing = self._reported = False
+        # nor cut it off before its error is recorded; it ends the rank once the error is.
+        self._failing = self._reported = self._terminated = False
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(
@@ -296,12 +296,15 @@ class HealthMonitor:
         self.post_failure("".join(traceback.format_exception_only(exc_type, exc)).strip())
         self._previous_excepthook(exc_type, exc, tb)
         self._reported = True
+        if self._terminated:  # the agent asked while the error was being recorded: its teardown may wait on dead peers
+            os._exit(1)
 
     def _on_sigterm(self, signum, frame) -> None:
         # The agent terminates the survivors once one worker has failed: say which one.
         if self._failing:  # this rank is saying why it fails: once its error is recorded, nothing is lost by leaving
             if self._reported:
                 os._exit(1)
+            self._terminated = True
             return
         reason = self.diagnose(sample_heartbeats=False)
         if not reason and preemption.armed():

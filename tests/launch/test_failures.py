@@ -122,8 +122,11 @@ def test_the_failing_rank_keeps_its_own_story_when_the_agent_stops_it_midway(tmp
     script.write_text(
         "import os, time, loom\n"
         "class SlowError(Exception):\n"
-        "    def __str__(self):\n"
-        "        time.sleep(4)\n"
+        "    slow = True\n"
+        "    def __str__(self):  # slow the first time only: the hooks format it several times\n"
+        "        if SlowError.slow:\n"
+        "            SlowError.slow = False\n"
+        "            time.sleep(3)\n"
         "        return 'slow to say'\n"
         "def main():\n"
         "    s = loom.MirroredStrategy()\n"
