@@ -51,8 +51,7 @@ def _backward(grad: torch.Tensor, which: torch.Tensor, k: int) -> torch.Tensor:
 
 
 _compiled: dict[str, Any] = {}
-SHAPES = 6  # input shapes (with dtype and window) compiled at most: dynamo stops compiling past 8, and runs the Python 8x slower than eager
-_shapes: set[tuple] = set()
+_shapes: set[tuple] = set()  # (shape, dtype, window) given kernels: one compiled entry each
 
 
 def _kernel(name: str) -> Any:
@@ -62,10 +61,18 @@ def _kernel(name: str) -> Any:
     return _compiled[name]
 
 
+def budget() -> int:
+    """Shapes that may have kernels: past dynamo's recompile limit it would run the Python above
+    instead, 8x slower than eager's pool."""
+    import torch._dynamo.config
+
+    return torch._dynamo.config.recompile_limit
+
+
 def _compiled_for(x: torch.Tensor, k: int) -> bool:
     """Whether this shape has kernels, or may have them made."""
     key = (tuple(x.shape), x.dtype, k)
-    if key not in _shapes and len(_shapes) >= SHAPES:
+    if key not in _shapes and len(_shapes) >= budget():
         return False
     _shapes.add(key)
     return True
