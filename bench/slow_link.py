@@ -358,11 +358,11 @@ def main() -> None:
         out = Path(tmp) / "throughput.json"
         run_hosts(args, out)
         measured = json.loads(out.read_text())
-        quality = None
+        quality, quality_from = None, None
         if args.skip_quality:  # the losses do not depend on the link: keep the last run's, saying from when
             kept = kept_quality()
             if kept is not None:
-                quality, args.quality_steps, args.quality_from = kept
+                quality, args.quality_steps, quality_from = kept
         else:
             qout = Path(tmp) / "quality.json"
             done = subprocess.run([sys.executable, "-m", "loom.launch.cli", "run", "--nproc", "2", "--threads", "1", __file__,
@@ -371,7 +371,7 @@ def main() -> None:
             if done.returncode:
                 raise RuntimeError(f"the quality job failed: {done.stderr[-3000:]}")
             quality = json.loads(qout.read_text())
-    report(measured, quality, args)
+    report(measured, quality, args, quality_from)
 
 
 def best_schedule(gradients: dict, run_seconds: dict[str, float]) -> tuple[float, list[tuple[int, int]]]:
@@ -419,7 +419,7 @@ def kept_quality() -> tuple[dict, int, str] | None:
     return last["quality"], last["quality_steps"], when
 
 
-def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> None:
+def report(measured: dict, quality: dict | None, args: argparse.Namespace, quality_from: str | None = None) -> None:
     median = {name: statistics.median(s) for name, s in measured["seconds"].items()}
     cpu = {name: statistics.median(s) for name, s in measured["cpu"].items()}
     compute, every, last, compute_bf16 = (median.pop(name) for name in CEILINGS)
@@ -468,8 +468,8 @@ def report(measured: dict, quality: dict | None, args: argparse.Namespace) -> No
                "ceilings": ceilings, "compute_bound_vs_raw_ddp": raw / compute, "ceiling_seconds": ceiling, "measured_floor": measured_floor,
                "contenders": rows, "quality": quality, "quality_steps": args.quality_steps, "load_average": measured["load"],
                "note": "2-core machine shared with other jobs, both hosts on it: figures taken under load"}  # fmt: skip
-    if getattr(args, "quality_from", None):
-        results["quality_from"] = args.quality_from
+    if quality_from:  # the losses are an earlier run's
+        results["quality_from"] = quality_from
     print(f"saved {save('slow_link', results)}")
     plot(rows, quality, RESULTS / "slow_link.png")
 
