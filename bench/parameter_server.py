@@ -87,17 +87,20 @@ def worker_main(method: str, steps: int, out: str) -> None:
     times, wire, transport = [], 0, 0
     straggle = float(os.environ.get("LOOM_BENCH_STRAGGLER_SLEEP", "0")) if rank == 3 else 0.0
     prefetch = method.endswith("-prefetch")
-    upcoming = batch(0, rank, size)
+    # Every batch is drawn before the first step: drawn between steps, an asynchronous worker's
+    # drawing would run beside the other workers' timed steps (lockstep workers draw together).
+    batches = [batch(step, rank, size) for step in range(steps + 4)]
     for step in range(steps + 3):
         if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
             wire = _lo_bytes()
             transport = strategy.variables.bytes_moved if method.startswith("parameter-server") else 0
-        (ids, y), upcoming = upcoming, batch(step + 1, rank, size)  # drawn outside the timed step, as for every method
+        (ids, y), upcoming = batches[step], batches[step + 1]
         start = time.perf_counter()
         if prefetch:  # the next batch's rows, brought by this step's commit
             strategy.prefetch(model, {"bag": upcoming[0]})
         F.binary_cross_entropy_with_logits(model(ids), y).backward()
-        time.sleep(straggle)  # the straggler: a slow machine
+        if straggle:  # the straggler: a slow machine (no sleep(0) for the others: it hands the GIL away)
+            time.sleep(straggle)
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
@@ -183,6 +186,8 @@ def main() -> None:
                       f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step  "
                       f"worker peak memory +{row['peak_rss_growth'] / 2**20:.0f} MB", flush=True)  # fmt: skip
     for workers in map(str, args.workers):
+        if not {"mirrored-dense", "sparse-ddp"} <= set(args.methods):
+            break  # the ratios need both all-reduce baselines in the same run
         dense, sparse = results["mirrored-dense"][workers], results["sparse-ddp"][workers]
         for method in [m for m in args.methods if m.startswith("parameter-server")]:
             ps = results[method][workers]
