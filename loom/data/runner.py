@@ -26,6 +26,7 @@ from torchdata.nodes import BaseNode, Loader, ParallelMapper, PinMemory, Prefetc
 from loom import compat
 from loom.data.loader import own_generator, to_device
 from loom.data.plan import Chunk, EpochPlan, choose_sharding
+from loom.data.receiver import Receiver
 from loom.data.report import InputStats
 from loom.data.seeding import mix, seeded
 from loom.data.shared_batches import BatchBuffers
@@ -33,7 +34,10 @@ from loom.data.sharding import check_global_batch
 from loom.data.sources import Source
 from loom.errors import DataFileError
 
-HELD_BATCHES = 3  # shared buffers beyond the tasks in flight: the batch the loop holds, the one before, a spare
+RECEIVED_AHEAD = 2  # process workers' batches taken in ahead of the loop (receiver.py)
+# Shared buffers beyond the tasks in flight: the batches received ahead and the one the receiver
+# holds, the batch the loop holds, the one before, a spare.
+HELD_BATCHES = RECEIVED_AHEAD + 1 + 3
 IDLE_SECONDS = 0.002  # a process worker's idle task, while the loop waits for a slower worker's batch
 
 if TYPE_CHECKING:
@@ -315,12 +319,16 @@ class PipelineLoader:
         """The running stream where it is at (epoch, start), else one started there; restarting
         discards what the workers had read ahead for another position."""
         if self._stream is None or self._stream_next != (epoch, start):
+            if isinstance(self._stream, Receiver):
+                self._stream.close()  # out of the DataLoader's iterator before it is reset
             if self._workers is None:
                 self._workers = self._start_workers()
             self._chunks.epoch, self._chunks.start = epoch, start
             self._stream = iter(self._workers)
             if self._window is not None:
                 self._stream = _in_sequence(self._stream, self._window)
+            if self._in_processes:
+                self._stream = Receiver(self._stream, RECEIVED_AHEAD)
             self._stream_next = (epoch, start)
         return self._stream
 

@@ -72,8 +72,9 @@ class BatchBuffers:
     def read(self, index: int, data: Any) -> Any:
         """Here: the batch with views of buffer ``index`` for its ``InBuffer``s; the buffer is
         reusable once they are all gone (at once if the task's batch failed or travelled apart)."""
-        self.in_flight.discard(index)
-        return _replace(data, lambda place: self.view(index, place), InBuffer)
+        batch = _replace(data, lambda place: self.view(index, place), InBuffer)
+        self.in_flight.discard(index)  # after the views exist: tasks are sent (and buffers claimed) from another thread
+        return batch
 
     def view(self, index: int, place: InBuffer) -> torch.Tensor:
         size = place.dtype.itemsize

@@ -1,0 +1,79 @@
+"""Process workers' batches taken in by a thread of the training process while the loop trains.
+
+Taking a finished batch from a ``DataLoader`` costs the training process about a millisecond:
+unpickling the result, sending the next task, planning that task's addresses. Done by the loop
+when it asks for the batch, that millisecond adds to every step (8% of a 14 ms step balanced
+with the input); done here, it overlaps the step, as the DataLoader's pinning thread does for
+CUDA batches. torchdata's ``Prefetcher`` does the same for a node, but it may leave its thread
+inside the iterator when asked to stop, and a DataLoader iterator reset beside a thread still
+reading it is a race: this receiver is stopped only once its thread is out.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Generic, Iterator, TypeVar
+
+T = TypeVar("T")
+_END = object()  # the results ran out
+POLL_SECONDS = 0.1  # how soon a full receiver notices it is stopped or dropped
+
+
+class Receiver(Generic[T]):
+    """``results`` read up to ``depth`` ahead by a daemon thread; an error the reading raised is
+    raised by ``next`` in its turn. Dropping the receiver (or ``close``) ends the thread, so the
+    iterator it read, and the workers behind it, can be collected."""
+
+    def __init__(self, results: Iterator[T], depth: int) -> None:
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._ended = False
+        self._thread = threading.Thread(
+            target=_receive, args=(results, self._queue, self._stop), name="loom-data-receiver", daemon=True
+        )
+        self._thread.start()
+
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._ended:
+            raise StopIteration
+        item = self._queue.get()
+        if item is _END:
+            self._ended = True
+            raise StopIteration
+        if isinstance(item, BaseException):
+            self._ended = True
+            raise item
+        return item
+
+    def close(self) -> None:
+        """Stop reading and wait until the thread is out of ``results`` (a batch's time at most)."""
+        self._stop.set()
+        self._thread.join()
+
+    def __del__(self) -> None:  # the thread holds no reference to its receiver, so this runs
+        self._stop.set()
+
+
+def _receive(results: Iterator[T], out: queue.Queue, stop: threading.Event) -> None:
+    try:
+        for item in results:
+            if not _put(out, item, stop):
+                return
+        last: object = _END
+    except BaseException as error:  # noqa: BLE001 - raised again in the loop's thread
+        last = error
+    _put(out, last, stop)
+
+
+def _put(out: queue.Queue, item: object, stop: threading.Event) -> bool:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=POLL_SECONDS)
+            return True
+        except queue.Full:
+            continue
+    return False
