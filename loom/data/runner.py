@@ -303,8 +303,6 @@ class PipelineLoader:
                 return
             got = time.perf_counter()
             self._stream_next = self._position_after(epoch, batch, count)
-            if result.buffer is not None and self._buffers is not None:
-                result.data = self._buffers.read(result.buffer, result.data)
             if result.error is not None or result.failure is not None:
                 self._stream_next = None  # the next iteration starts the workers' stream afresh
                 if result.failure is not None:
@@ -327,6 +325,8 @@ class PipelineLoader:
             self._stream = iter(self._workers)
             if self._window is not None:
                 self._stream = _in_sequence(self._stream, self._window)
+            if self._buffers is not None:
+                self._stream = _out_of_buffers(self._stream, self._buffers)
             if self._in_processes:
                 self._stream = Receiver(self._stream, RECEIVED_AHEAD)
             self._stream_next = (epoch, start)
@@ -558,6 +558,14 @@ def _in_sequence(results: Iterator[_Result], window: _Window) -> Iterator[_Resul
             window.idle_taken += 1
         else:
             early[result.sequence] = result
+
+
+def _out_of_buffers(results: Iterator[_Result], buffers: BatchBuffers) -> Iterator[_Result]:
+    """Results whose batches are views of their shared buffers (made by the receiver, off the loop's step)."""
+    for result in results:
+        if result.buffer is not None:
+            result.data = buffers.read(result.buffer, result.data)
+        yield result
 
 
 def _yield_to_training(worker_id: int) -> None:

@@ -73,7 +73,7 @@ class BatchBuffers:
         """Here: the batch with views of buffer ``index`` for its ``InBuffer``s; the buffer is
         reusable once they are all gone (at once if the task's batch failed or travelled apart)."""
         batch = _replace(data, lambda place: self.view(index, place), InBuffer)
-        self.in_flight.discard(index)  # after the views exist: tasks are sent (and buffers claimed) from another thread
+        self.in_flight.discard(index)  # after the views exist: until then nothing else holds the buffer
         return batch
 
     def view(self, index: int, place: InBuffer) -> torch.Tensor:
