@@ -95,10 +95,9 @@ class AugmentedImages(torch.utils.data.Dataset):
         return augment(self.source.read(0, i))
 
 
-def cpu_seconds() -> float:
-    """CPU time of this process and its live children (persistent workers are never reaped)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    total = usage.ru_utime + usage.ru_stime
+def _children() -> list[list[str]]:
+    """The /proc stat fields (after the name) of this process's live children."""
+    found = []
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/stat") as f:
@@ -106,8 +105,26 @@ def cpu_seconds() -> float:
         except (OSError, IndexError):
             continue
         if int(fields[1]) == os.getpid():
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+            found.append(fields)
+    return found
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its live children (persistent workers are never reaped)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    ticks = sum(int(fields[11]) + int(fields[12]) for fields in _children())
+    return usage.ru_utime + usage.ru_stime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _wait_for_children(before: int, timeout: float = 10.0) -> None:
+    """Until a dropped loader's workers are gone: a loom loader's receiver thread lets go of
+    them within a batch's time, not at once, and CPU counted from live children would lose theirs."""
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + timeout
+    while len(_children()) > before and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def timed_epoch(batches: Iterable[Any], step_seconds: float) -> tuple[float, int]:
@@ -242,6 +259,7 @@ def machinery(batch: int, cores: int, batches: int = 60, rounds: int = 3) -> dic
     }
     costs = {}
     for name, make in makers.items():
+        children = len(_children())
         loader = make()
         timed_epoch(loader, 0.0)
         spent = []
@@ -250,7 +268,8 @@ def machinery(batch: int, cores: int, batches: int = 60, rounds: int = 3) -> dic
             timed_epoch(loader, 0.0)
             spent.append((cpu_seconds() - used) / batches * 1e3)
         costs[name] = min(spent)
-        del loader  # its workers end before the next contender's are timed
+        del loader
+        _wait_for_children(before=children)  # its workers end before the next contender's are timed
     return costs
 
 
