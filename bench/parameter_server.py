@@ -70,7 +70,11 @@ def worker_main(method: str, steps: int, out: str) -> None:
     strategy = loom.auto_strategy()
     workers = strategy.num_replicas_in_sync
     size = GLOBAL_BATCH // workers
-    rss_before = _peak_rss()
+    rank = strategy.replica_id
+    # Every batch is drawn before the first step: drawn between steps, an asynchronous worker's
+    # drawing would run beside the other workers' timed steps (lockstep workers draw together).
+    batches = [batch(step, rank, size) for step in range(steps + 4)]
+    rss_before = _peak_rss()  # after the batches: the growth is the model's and the method's
     if method.startswith("parameter-server"):
         with strategy.scope():  # the table is never built on a worker: the servers draw it
             model = W3()
@@ -83,13 +87,9 @@ def worker_main(method: str, steps: int, out: str) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
     else:
         model, opt = strategy.prepare(model, lambda p: torch.optim.SGD(p, lr=0.1))
-    rank = strategy.replica_id
     times, wire, transport = [], 0, 0
     straggle = float(os.environ.get("LOOM_BENCH_STRAGGLER_SLEEP", "0")) if rank == 3 else 0.0
     prefetch = method.endswith("-prefetch")
-    # Every batch is drawn before the first step: drawn between steps, an asynchronous worker's
-    # drawing would run beside the other workers' timed steps (lockstep workers draw together).
-    batches = [batch(step, rank, size) for step in range(steps + 4)]
     for step in range(steps + 3):
         if step == 3:  # after warm-up (and, for the PS, after the chief sent the initial table)
             wire = _lo_bytes()
