@@ -195,6 +195,12 @@ def worker_failure(where: str) -> Any:
     return ExceptionWrapper(where=where)
 
 
+def dead_dataloader_workers(iterator: Any) -> list[int]:
+    """Process ids of a DataLoader iterator's workers that have exited. torch looks only after
+    5 s with no result, and a live worker's idle tasks keep results coming."""
+    return [worker.pid for worker in getattr(iterator, "_workers", []) if not worker.is_alive()]
+
+
 def pinned(data: Any) -> Any:
     """``data`` (tensors, or lists, tuples and dicts of them) with its CPU tensors in pinned
     memory; a map's tensors already on the device stay as they are."""

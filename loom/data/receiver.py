@@ -11,6 +11,7 @@ reading it is a race: this receiver is stopped only once its thread is out.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from typing import Generic, Iterator, TypeVar
@@ -22,13 +23,15 @@ POLL_SECONDS = 0.1  # how soon a full receiver notices it is stopped or dropped
 
 class Receiver(Generic[T]):
     """``results`` read up to ``depth`` ahead by a daemon thread; an error the reading raised is
-    raised by ``next`` in its turn. Dropping the receiver (or ``close``) ends the thread, so the
-    iterator it read, and the workers behind it, can be collected."""
+    raised by ``next`` in its turn. Dropping the receiver (or ``stop``) ends the thread, so the
+    iterator it read, and the workers behind it, can be collected. ``stop``: the event that
+    stops it, shared with ``results`` when they wait on their own (a batch that never comes)."""
 
-    def __init__(self, results: Iterator[T], depth: int) -> None:
+    def __init__(self, results: Iterator[T], depth: int, stop: threading.Event | None = None) -> None:
         self._queue: queue.Queue = queue.Queue(depth)
-        self._stop = threading.Event()
+        self._stop = stop or threading.Event()
         self._ended = False
+        self._pid = os.getpid()
         self._thread = threading.Thread(
             target=_receive, args=(results, self._queue, self._stop), name="loom-data-receiver", daemon=True
         )
@@ -38,6 +41,11 @@ class Receiver(Generic[T]):
         return self
 
     def __next__(self) -> T:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "a loom.data loader with process workers cannot be iterated in a process forked from the one "
+                "that started it (its batches are received by a thread there): make a new loader in this process"
+            )
         if self._ended:
             raise StopIteration
         item = self._queue.get()
@@ -49,8 +57,13 @@ class Receiver(Generic[T]):
             raise item
         return item
 
+    def stop(self) -> None:
+        """Stop reading, without waiting: the thread leaves ``results`` at their next item."""
+        self._stop.set()
+
     def close(self) -> None:
-        """Stop reading and wait until the thread is out of ``results`` (a batch's time at most)."""
+        """Stop reading and wait until the thread is out of ``results``: before the iterator behind
+        them is reset (``results`` must end soon once stopped, as ``_in_sequence`` does)."""
         self._stop.set()
         self._thread.join()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ RECEIVED_AHEAD = 2  # process workers' batches taken in ahead of the loop (recei
 # holds, the batch the loop holds, the one before, a spare.
 HELD_BATCHES = RECEIVED_AHEAD + 1 + 3
 IDLE_SECONDS = 0.002  # a process worker's idle task, while the loop waits for a slower worker's batch
+DEAD_WORKER_CHECK_SECONDS = 1.0  # how often workers are looked at while only idle tasks come back
 
 if TYPE_CHECKING:
     from loom.data.pipeline import MapStage, Pipeline
@@ -292,10 +294,12 @@ class PipelineLoader:
         for batch in itertools.count(start):
             try:
                 result = next(taken, None)
-            except (Exception, KeyboardInterrupt):  # a map or collate_fn raised: the stream is spent
+            except (Exception, KeyboardInterrupt) as error:  # a map or collate_fn raised, or a worker died: the stream is spent
                 self._stream_next = None
-                if not self._in_processes:  # a reset torchdata mapper could drop the next batch after a failure
-                    self._workers = None
+                if not self._in_processes or not isinstance(error, KeyboardInterrupt):
+                    # A reset torchdata mapper could drop the next batch after a failure, and a
+                    # DataLoader that lost a worker cannot be reset: the next pass starts new workers.
+                    self._drop_workers()
                 raise
             if result is None:
                 if not self._chunks.onward:  # take the stream's end too: threads left mid-stream abort the exit
@@ -313,6 +317,13 @@ class PipelineLoader:
             waited_since = time.perf_counter()
             self.stats.record_step(waited_since - got)
 
+    def _drop_workers(self) -> None:
+        """Let go of the workers, their stream and its buffers; the receiver's thread ends on its own
+        (its DataLoader may be waiting for a batch that a dead worker took with it)."""
+        if isinstance(self._stream, Receiver):
+            self._stream.stop()
+        self._workers = self._stream = self._window = self._buffers = None
+
     def _stream_from(self, epoch: int, start: int) -> Iterator[_Result]:
         """The running stream where it is at (epoch, start), else one started there; restarting
         discards what the workers had read ahead for another position."""
@@ -323,12 +334,13 @@ class PipelineLoader:
                 self._workers = self._start_workers()
             self._chunks.epoch, self._chunks.start = epoch, start
             self._stream = iter(self._workers)
+            stop = threading.Event()
             if self._window is not None:
-                self._stream = _in_sequence(self._stream, self._window)
+                self._stream = _in_sequence(self._stream, self._window, stop)
             if self._buffers is not None:
                 self._stream = _out_of_buffers(self._stream, self._buffers)
             if self._in_processes:
-                self._stream = Receiver(self._stream, RECEIVED_AHEAD)
+                self._stream = Receiver(self._stream, RECEIVED_AHEAD, stop)
             self._stream_next = (epoch, start)
         return self._stream
 
@@ -346,7 +358,7 @@ class PipelineLoader:
         it ties each task to a worker when sent, so a worker ahead waits, its share done, behind
         a slower one (idle 2-3 ms of a 22 ms batch); here the order is restored instead, with
         tasks sent at most a window ahead of the oldest unfinished one, and never more than the
-        window and the DataLoader's share ahead of the batch the loop is to get next. Threads:
+        window and the DataLoader's share ahead of the batch the receiver is to take next. Threads:
         ``torchdata.nodes``.
         """
         depth = self._prefetch_depth()
@@ -444,8 +456,8 @@ class _ChunkNode(BaseNode[Chunk]):
 
 class _Window:
     """How far tasks run ahead: ``size`` past the oldest unfinished one, so workers ahead of a
-    slow batch do not read on without bound, and ``ahead`` past the batch the loop is to get next
-    (the shared buffers' count). Workers mark what they finish in shared memory: the DataLoader
+    slow batch do not read on without bound, and ``ahead`` past the batch the receiver is to take
+    next (the shared buffers' count, less ``HELD_BATCHES``). Workers mark what they finish in shared memory: the DataLoader
     sends its next task as a result arrives, before the loop sees it, and a window counted from
     the batches handed out alone would then still be full, its free slots idle tasks at a pass's end."""
 
@@ -456,7 +468,7 @@ class _Window:
         self.idle_done = torch.zeros(max(workers, 1), dtype=torch.int64).share_memory_()  # per worker
         self.sent = 0
         self.oldest = 0  # the oldest task not known to be finished
-        self.handed = 0  # results handed to the loop
+        self.handed = 0  # results handed on (to the receiver, at most RECEIVED_AHEAD + 1 ahead of the loop)
         self.idle_taken = 0
 
     def reset(self) -> None:
@@ -539,14 +551,18 @@ class _Tasks(Dataset):
         return result
 
 
-def _in_sequence(results: Iterator[_Result], window: _Window) -> Iterator[_Result]:
-    """Results in the order their tasks were sent, from results in the order they finished.
+def _in_sequence(results: Iterator[_Result], window: _Window, stop: threading.Event) -> Iterator[_Result]:
+    """Results in the order their tasks were sent, from results in the order they finished;
+    they end once ``stop`` is set.
 
     Idle tasks' results are taken as soon as they are ready, even while earlier results wait to
     be handed out: each one taken sends a task, and left in the queue it would keep the workers
-    without one while the loop trains on those earlier results (or past a pass's end)."""
+    without one while the loop trains on those earlier results (or past a pass's end). While
+    they flow, torch never finds a worker that died (it looks after 5 s with no result), so the
+    workers are looked at here, once a second of idle results."""
     early: dict[int, _Result] = {}
-    while True:
+    looked = time.monotonic()
+    while not stop.is_set():
         if window.handed in early and not window.idle_waiting():
             window.handed += 1
             yield early.pop(window.handed - 1)
@@ -554,10 +570,14 @@ def _in_sequence(results: Iterator[_Result], window: _Window) -> Iterator[_Resul
         result = next(results, None)
         if result is None:
             return
-        if result.sequence < 0:
-            window.idle_taken += 1
-        else:
+        if result.sequence >= 0:
             early[result.sequence] = result
+            continue
+        window.idle_taken += 1
+        if time.monotonic() - looked > DEAD_WORKER_CHECK_SECONDS:
+            if dead := compat.dead_dataloader_workers(results):
+                raise RuntimeError(f"loom.data worker process(es) {', '.join(map(str, dead))} exited unexpectedly; iterating again starts new ones")
+            looked = time.monotonic()
 
 
 def _out_of_buffers(results: Iterator[_Result], buffers: BatchBuffers) -> Iterator[_Result]:

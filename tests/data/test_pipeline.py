@@ -2,6 +2,7 @@
 
 import functools
 import os
+import threading
 import time
 
 import numpy as np
@@ -510,18 +511,31 @@ def test_a_pass_taken_to_its_last_batch_without_ending_the_loop_is_followed_by_t
 
 
 
-def _slow_first_noted(path, x):
-    time.sleep(1.0 if int(x) == 0 else 0.0)
+def _held_first_noted(path, x):
+    release = path.with_name("release")
+    deadline = time.monotonic() + 20
+    while int(x) == 0 and not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return _noted(path, x)
 
 
 def test_workers_ahead_of_a_slow_batch_read_at_most_a_window_ahead(tmp_path):
     noted = tmp_path / "read"
-    pipeline = ld.from_source(Shards([400])).map(functools.partial(_slow_first_noted, noted), num_parallel=2, method="process")
+    noted.write_text("")
+    pipeline = ld.from_source(Shards([400])).map(functools.partial(_held_first_noted, noted), num_parallel=2, method="process")
     loader = pipeline.batch(4).prefetch().loader()  # 8 tasks unanswered at most, in a window of 16
-    first = next(iter(loader))
-    assert first.tolist() == [0, 10, 20, 30]
-    assert len(noted.read_text().split()) <= 16 * 4, "the worker ahead read on past the window"
+    first = []
+    taking = threading.Thread(target=lambda: first.append(next(iter(loader))))
+    taking.start()
+    before, read, deadline = -1, 0, time.monotonic() + 20
+    while not read or read != before:  # until the worker ahead stops
+        assert time.monotonic() < deadline, "the worker ahead never stopped reading"
+        time.sleep(0.5)
+        before, read = read, len(noted.read_text().split())
+    assert read <= 16 * 4, f"the worker ahead read {read} elements while batch 0 was held, past the window"
+    noted.with_name("release").touch()
+    taking.join(20)
+    assert first[0].tolist() == [0, 10, 20, 30]
 
 
 def test_a_result_pins_its_batch_when_the_pinning_thread_asks(monkeypatch):

@@ -77,3 +77,95 @@ def test_a_dropped_receiver_lets_go_of_what_it_read():
     del received
     gc.collect()
     assert finished.wait(5), "the thread still holds the iterator"
+
+
+def _slowly(x):
+    time.sleep(0.005)
+    return x
+
+
+def _loader(n=400):
+    import torch
+
+    import loom.data as ld
+
+    return ld.from_tensors(torch.arange(n)).map(_slowly, num_parallel=2, method="process").batch(8).prefetch().loader()
+
+
+def _children():
+    import multiprocessing
+
+    return multiprocessing.active_children()
+
+
+def test_a_killed_worker_is_named_at_once_and_the_next_pass_starts_new_workers():
+    """The other worker's idle tasks kept torch from ever noticing; the receiver then waited for
+    the lost batch for ever, and iterating again hung joining it."""
+    import os
+    import signal
+
+    loader = _loader()
+    got = []
+    with pytest.raises(RuntimeError, match="worker"):
+        for batch in loader:
+            got += batch.tolist()
+            if len(got) == 40:
+                os.kill(_children()[0].pid, signal.SIGKILL)
+    started = time.monotonic()
+    for batch in loader:  # the rest of the pass, from where the loop was
+        got += batch.tolist()
+    assert sorted(got) == list(range(400)) and time.monotonic() - started < 30
+
+
+def test_a_dropped_loader_ends_its_workers_even_with_a_batch_lost():
+    import os
+    import signal
+
+    loader = _loader()
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    workers = _children()
+    try:
+        os.kill(workers[0].pid, signal.SIGKILL)  # its batch will never come
+        time.sleep(1)
+    except RuntimeError:  # torch's SIGCHLD handler names the dead worker wherever the loop is
+        pass
+    del iterator, loader
+    gc.collect()
+    deadline = time.monotonic() + 20
+    while any(w.is_alive() for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(w.is_alive() for w in workers)
+
+
+def test_a_restart_mid_pass_waits_for_the_receiver_and_goes_on_exactly_once():
+    loader = _loader(200)
+    first = [b.tolist() for _, b in zip(range(5), loader)]
+    state = loader.state_dict()
+    skipped = [b.tolist() for _, b in zip(range(3), loader)]  # read on, then go back
+    loader.load_state_dict(state)
+    rest = [b.tolist() for b in loader]
+    assert skipped == rest[:3] and sum(first + rest, []) == list(range(200))
+
+
+def test_a_forked_process_is_told_to_make_its_own_loader():
+    """The receiving thread does not cross a fork: the child would wait for ever for its batches."""
+    import os
+
+    iterator = iter(_loader(80))
+    next(iterator)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            next(iterator)
+        except RuntimeError as error:
+            os._exit(0 if "forked" in str(error) else 2)
+        os._exit(1)
+    deadline = time.monotonic() + 20
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
