@@ -20,8 +20,9 @@ def line_of(marker: str) -> int:
 def final_line() -> str:
     """The last line of one six-rank job in which three pairs of ranks hang three ways at once.
 
-    The timeout leaves a pair that six processes on two cores slowed down time to reach its hang
-    before the first pair's collective times out and the records are compared."""
+    Only the first pair's collective times out (10 s): a pair that six processes on two cores
+    slowed down has reached its hang by then, and no pair's collective has ended by timing out
+    as the records are compared (which pair found the hang first once decided what they said)."""
     job = loom_run(["run", "--nproc", "6", "--threads", "1", "--timeout", "10", str(SCRIPT)], timeout=240)
     assert job.returncode != 0
     line = job.stderr.strip().splitlines()[-1]

@@ -15,7 +15,9 @@ import loom
 
 strategy = loom.MirroredStrategy()
 rank = dist.get_rank()
-groups = [dist.new_group(pair, timeout=timedelta(seconds=10)) for pair in ([0, 1], [2, 3], [4, 5])]  # like --timeout
+# The first pair's collectives time out as --timeout says; the others' wait longer, so that when
+# the records are compared every pair has reached its hang and none has left it by timing out.
+groups = [dist.new_group(pair, timeout=timedelta(seconds=10 if pair == [0, 1] else 20)) for pair in ([0, 1], [2, 3], [4, 5])]
 group = groups[rank // 2]
 grad = torch.ones(4)
 dist.barrier()  # the three pairs start together, so all three hang by the first timeout
