@@ -294,7 +294,7 @@ class PipelineLoader:
         for batch in itertools.count(start):
             try:
                 result = next(taken, None)
-            except (Exception, KeyboardInterrupt) as error:  # a map or collate_fn raised, or a worker died: the stream is spent
+            except (Exception, KeyboardInterrupt) as error:  # a map raised, or a worker died: the stream is spent
                 self._stream_next = None
                 if not self._in_processes or not isinstance(error, KeyboardInterrupt):
                     # A reset torchdata mapper could drop the next batch after a failure, and a
@@ -457,9 +457,10 @@ class _ChunkNode(BaseNode[Chunk]):
 class _Window:
     """How far tasks run ahead: ``size`` past the oldest unfinished one, so workers ahead of a
     slow batch do not read on without bound, and ``ahead`` past the batch the receiver is to take
-    next (the shared buffers' count, less ``HELD_BATCHES``). Workers mark what they finish in shared memory: the DataLoader
-    sends its next task as a result arrives, before the loop sees it, and a window counted from
-    the batches handed out alone would then still be full, its free slots idle tasks at a pass's end."""
+    next (the shared buffers' count, less ``HELD_BATCHES``). Workers mark what they finish in
+    shared memory: the DataLoader sends its next task as a result arrives, before the receiver
+    sees it, and a window counted from the batches handed out alone would then still be full,
+    its free slots idle tasks at a pass's end."""
 
     def __init__(self, size: int, ahead: int, workers: int) -> None:
         self.size = size
