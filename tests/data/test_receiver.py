@@ -1,11 +1,16 @@
 """The thread that takes process workers' batches in while the loop trains (loom/data/receiver.py)."""
 
 import gc
+import multiprocessing
+import os
+import signal
 import threading
 import time
 
 import pytest
+import torch
 
+import loom.data as ld
 from loom.data.receiver import Receiver
 
 
@@ -28,14 +33,21 @@ def test_items_come_in_order_and_the_end_stays_the_end():
         next(received)
 
 
+def _settled(taken, at_least):
+    """The count once the thread has taken ``at_least`` and a while has passed without more."""
+    deadline = time.monotonic() + 10
+    while len(taken) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)
+    return len(taken)
+
+
 def test_it_reads_no_more_than_its_depth_ahead_of_the_loop():
     taken = []
     received = Receiver(_counting(100, taken), depth=2)
-    time.sleep(0.3)
-    assert len(taken) == 3, taken  # two queued and one waiting in the thread
+    assert _settled(taken, 3) == 3, taken  # two queued and one waiting in the thread
     assert next(received) == 0
-    time.sleep(0.3)
-    assert len(taken) == 4
+    assert _settled(taken, 4) == 4
 
 
 def test_an_error_is_raised_in_the_loops_thread_after_the_items_before_it():
@@ -85,25 +97,16 @@ def _slowly(x):
 
 
 def _loader(n=400):
-    import torch
-
-    import loom.data as ld
-
     return ld.from_tensors(torch.arange(n)).map(_slowly, num_parallel=2, method="process").batch(8).prefetch().loader()
 
 
 def _children():
-    import multiprocessing
-
     return multiprocessing.active_children()
 
 
 def test_a_killed_worker_is_named_at_once_and_the_next_pass_starts_new_workers():
     """The other worker's idle tasks kept torch from ever noticing; the receiver then waited for
     the lost batch for ever, and iterating again hung joining it."""
-    import os
-    import signal
-
     loader = _loader()
     got = []
     with pytest.raises(RuntimeError, match="worker"):
@@ -118,9 +121,6 @@ def test_a_killed_worker_is_named_at_once_and_the_next_pass_starts_new_workers()
 
 
 def test_a_dropped_loader_ends_its_workers_even_with_a_batch_lost():
-    import os
-    import signal
-
     loader = _loader()
     iterator = iter(loader)
     for _ in range(3):
@@ -151,8 +151,6 @@ def test_a_restart_mid_pass_waits_for_the_receiver_and_goes_on_exactly_once():
 
 def test_a_forked_process_is_told_to_make_its_own_loader():
     """The receiving thread does not cross a fork: the child would wait for ever for its batches."""
-    import os
-
     iterator = iter(_loader(80))
     next(iterator)
     pid = os.fork()
