@@ -24,6 +24,7 @@ is the pipeline's own cost, and max(CPU per batch / cores, step) is its step on 
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import json
 import math
@@ -119,8 +120,6 @@ def cpu_seconds() -> float:
 def _wait_for_children(before: int, timeout: float = 10.0) -> None:
     """Until a dropped loader's workers are gone: a loom loader's receiver thread lets go of
     them within a batch's time, not at once, and CPU counted from live children would lose theirs."""
-    import gc
-
     gc.collect()
     deadline = time.monotonic() + timeout
     while len(_children()) > before and time.monotonic() < deadline:

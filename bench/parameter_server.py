@@ -185,9 +185,8 @@ def main() -> None:
                 print(f"{method:<21} {workers} workers: {row['samples_per_sec']:9,.0f} samples/s  "
                       f"{row['bytes_per_worker_step'] / 2**20:8.2f} MB per worker per step  "
                       f"worker peak memory +{row['peak_rss_growth'] / 2**20:.0f} MB", flush=True)  # fmt: skip
-    for workers in map(str, args.workers):
-        if not {"mirrored-dense", "sparse-ddp"} <= set(args.methods):
-            break  # the ratios need both all-reduce baselines in the same run
+    baselines = {"mirrored-dense", "sparse-ddp"} <= set(args.methods)  # the ratios need both in the same run
+    for workers in map(str, args.workers) if baselines else ():
         dense, sparse = results["mirrored-dense"][workers], results["sparse-ddp"][workers]
         for method in [m for m in args.methods if m.startswith("parameter-server")]:
             ps = results[method][workers]
