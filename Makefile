@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench bench-tf bench-peers clean
+.PHONY: demo test gpu-check bench bench-tf bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 # Three test processes on two cores: most tests wait on launched jobs; tests sharing one job share a process (xdist_group).
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
+
+# The contract's equivalence and bench/gpt.py on CUDA with NCCL; one line and exit 0 where there is no GPU.
+gpu-check: $(STAMP)
+	$(PYTHON) -m tests.gpu_check
 
 bench: $(STAMP)
 	-$(MAKE) bench-tf

@@ -49,10 +49,12 @@ def raw_pytorch(batch: int, steps: int, warmup: int) -> float:
     """Tokens/s of the loop a person writes by hand on one process (median step, as for the strategies)."""
     torch.set_num_threads(1)  # as loom gives each process under LOOM_THREADS=1
     torch.manual_seed(0)
-    model = GPT()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where loom's one process runs too
+    model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     times = []
     for i, (x, y) in enumerate(batches(batch, warmup + steps)):
+        x, y = x.to(device), y.to(device)
         start = time.perf_counter()
         loss = next_byte_loss(model(x), y)
         loss.backward()
@@ -92,7 +94,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--strategies", nargs="+", default=[s for s in SETUPS if s != "one_device"])
+    parser.add_argument("--strategies", nargs="*", default=[s for s in SETUPS if s != "one_device"])
     parser.add_argument("--worker", nargs=2, metavar=("STRATEGY", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
