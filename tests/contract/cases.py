@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import loom
+from tests.contract.models import GPT, VOCAB, BatchNormCNN, images, tokens
 
 GLOBAL_BATCH = 16
 STEPS = 3
@@ -148,17 +150,93 @@ def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, 
     return {"saved": weights(model), "restored": weights(fresh), "restored_momentum": momentum}
 
 
+# ---- the shapes real scripts bring (tests/contract/models.py) -------------------------------------
+def _seeded_per_rank(build: Callable[[], nn.Module]) -> nn.Module:
+    """Each process seeds its own way before building the model, as nanoGPT does: rank 0's weights must win."""
+    torch.manual_seed(100 + (dist.get_rank() if dist.is_initialized() else 0))
+    return build()
+
+
+def _train_on(strategy: loom.Strategy, model: nn.Module, opt: torch.optim.Optimizer, loss_fn: Any, dataset: Any) -> Any:
+    step = strategy.train_step(model, loss_fn, opt)
+    for x, y in strategy.distribute(dataset, batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
+    return step
+
+
+def gpt_own_loss(make: Make) -> dict[str, Any]:
+    """nanoGPT's shape: nested blocks, tied embedding and head, per-rank seeds, ``forward(idx, targets)`` returning its loss."""
+    strategy = make()
+    model, opt = strategy.prepare(_seeded_per_rank(GPT), adamw)
+    _train_on(strategy, model, opt, None, tokens(GLOBAL_BATCH * STEPS))
+    return {"weights": weights(model)}
+
+
+def gpt_output_object(make: Make) -> dict[str, Any]:
+    """An output object with attributes (Hugging Face's shape) keeps its class under mixed precision."""
+    strategy = make(precision="bf16-mixed")
+    model, opt = strategy.prepare(_seeded_per_rank(lambda: GPT(output_object=True)), adamw)
+    loss_fn = lambda out, y: F.cross_entropy(out.logits.float().reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
+    step = _train_on(strategy, model, opt, loss_fn, tokens(GLOBAL_BATCH * STEPS))
+    return {"weights": weights(model), "output_class": type(step.outputs).__name__}
+
+
+def batchnorm_cnn(make: Make) -> dict[str, Any]:
+    """Running statistics and parameters as one device's over the global batch (``sync_batchnorm`` where a strategy has it)."""
+    try:
+        strategy = make(sync_batchnorm=True)
+    except TypeError:  # a strategy without the option
+        strategy = make()
+    model, opt = strategy.prepare(_seeded_per_rank(BatchNormCNN), sgd)
+    _train_on(strategy, model, opt, F.cross_entropy, images(GLOBAL_BATCH * STEPS))
+    return {"weights": weights(model)}
+
+
+COMPILE_BACKEND = "aot_eager"  # traces as inductor does (dynamo, fake tensors, AOT autograd) without minutes of C++ builds on 2 cores
+
+
+def compile_before_prepare(make: Make, directory: Path) -> dict[str, Any]:
+    """``prepare(torch.compile(model))``: trains as the model would, and its checkpoint's keys are the model's."""
+    strategy = make()
+    model, opt = strategy.prepare(torch.compile(mlp(), backend=COMPILE_BACKEND), sgd)
+    _train_on(strategy, model, opt, F.cross_entropy, data())
+    strategy.save(directory, step=STEPS, model=model)
+    return {"weights": weights(model), "path": str(directory)}
+
+
+def compile_after_prepare(make: Make, directory: Path) -> dict[str, Any]:
+    """``torch.compile(prepare(model))``, the same."""
+    strategy = make()
+    model, opt = strategy.prepare(mlp(), sgd)
+    model = torch.compile(model, backend=COMPILE_BACKEND)
+    _train_on(strategy, model, opt, F.cross_entropy, data())
+    strategy.save(directory, step=STEPS, model=model)
+    return {"weights": weights(model), "path": str(directory)}
+
+
+def fit_then_save(make: Make, directory: Path) -> dict[str, Any]:
+    """``fit``, then ``save(model=...)`` with the very module the user passed to it."""
+    strategy = make()
+    model = mlp()
+    loom.fit(model, F.cross_entropy, sgd, data(), epochs=1, batch_size=GLOBAL_BATCH, shuffle=False, strategy=strategy, progress=False)
+    strategy.save(directory, step=STEPS, model=model)
+    return {"path": str(directory)}
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     fn.__name__: fn
     for fn in (sgd_momentum, adamw_weight_decay, eager_loop, bf16_mixed, fp16_mixed, accumulate_in_step,
-               accumulate_eager, clipping, step_lr, reduce_and_gather, fit_metrics, save_and_restore)
+               accumulate_eager, clipping, step_lr, reduce_and_gather, fit_metrics, save_and_restore,
+               gpt_own_loss, gpt_output_object, batchnorm_cnn, compile_before_prepare, compile_after_prepare, fit_then_save)
 }  # fmt: skip
 
 
 def run_case(name: str, make: Make, checkpoints: Path) -> dict[str, Any]:
-    """One case, with the checkpoint directories ``save_and_restore`` needs."""
+    """One case, with the checkpoint directories ``save_and_restore`` and ``fit_then_save`` need."""
     if name == "save_and_restore":
         return CASES[name](make, checkpoints / "saved", checkpoints / "reference")
+    if name in ("fit_then_save", "compile_before_prepare", "compile_after_prepare"):
+        return CASES[name](make, checkpoints / name)
     return CASES[name](make)
 
 

@@ -29,7 +29,13 @@ ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:
     make = lambda **options: loom.OneDeviceStrategy(**options)  # noqa: E731
-    return [{name: run_case(name, make, directory) for name in CASES}]
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = run_case(name, make, directory)
+        except Exception as error:  # noqa: BLE001 - reported by the case's tests, as a launched job's are
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+    return [results]
 
 
 def _launched(root: Path, names: list[str]) -> dict[str, list[dict[str, Any]]]:
