@@ -193,3 +193,18 @@ def test_a_checkpoint_moves_between_strategies(contract_results, reference_check
     one.restore(root / strategy / "saved", model=model, optimizer=opt)
     assert max_difference({k: v for k, v in model.state_dict().items()}, replicas[0]["saved"]) == 0.0
     assert opt.state_dict()["state"], "the optimizer's state was saved and restored"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_restore_of_an_empty_or_missing_directory_changes_nothing(contract_results, strategy):
+    """README's start-of-run ``strategy.restore(dir)``: None, the optimizer, scheduler and data position
+    untouched, and the training that follows is the one without the call."""
+    replicas = result(contract_results, strategy, "restore_of_nothing")
+    if strategy in LOCAL:
+        expected = simulate(strategy, "adamw_weight_decay")
+    else:
+        (reference,) = result(contract_results, "one_device", "adamw_weight_decay")
+        expected = [reference["weights"]] * len(replicas)
+    for got, want in zip(replicas, expected):
+        assert got["returned"] == [True, True] and got["unchanged"] == [True, True, True]
+        assert max_difference(got["weights"], want) <= TOLERANCE
