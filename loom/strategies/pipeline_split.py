@@ -3,10 +3,12 @@
 Two shapes of model are split, as they are:
 
 - an ``nn.Sequential``: its children are the layers, and a stage runs a contiguous run of them;
-- a model whose ``forward`` runs an ``nn.ModuleList`` attribute of blocks one after another
-  (``for block in self.blocks: x = block(x)``): the blocks are the layers. The modules
-  registered before the list (embeddings) belong to the first stage, those after it (final
-  norm, head) to the last, as do parameters of the model itself.
+- a model whose ``forward`` runs an ``nn.ModuleList`` of blocks one after another
+  (``for block in self.blocks: x = block(x)``), or calls an ``nn.Sequential`` of them, at any
+  depth (nanoGPT's ``transformer.h``, a ModuleList in a ModuleDict): the blocks are the layers.
+  The modules registered before the container, at each level of its path (embeddings), belong
+  to the first stage, those after it (final norm, head) to the last, as do parameters of the
+  model itself. Names stay the model's, so checkpoints keep its keys.
 
 The first stage runs the model's own ``forward`` with the list cut to its blocks, and stops
 at the end of the last one. Middle stages run their blocks. The last stage runs ``forward``
@@ -34,7 +36,7 @@ class Layers:
 
     model: nn.Module
     names: list[str]  # the layers' full names: "0", "1" (Sequential) or "blocks.0", "blocks.1"
-    list_name: str | None  # the ModuleList attribute; None for a Sequential
+    list_name: str | None  # the blocks' container by its dotted path ("transformer.h"); None for a Sequential model
     before: list[str]  # children registered before the list (first stage)
     after: list[str]  # children registered after it (last stage)
 
