@@ -72,6 +72,12 @@ def compiled_module_type() -> type[nn.Module] | None:
     return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
+def compile_like(compiled: nn.Module, module: nn.Module) -> None:
+    """Compile ``module`` in place, as ``Module.compile`` does, with the backend and options that
+    made ``compiled`` (a ``torch.compile(m)``): its ``dynamo_ctx`` is torch.compile's settings."""
+    module._compiled_call_impl = compiled.dynamo_ctx(module._call_impl)
+
+
 def default_store() -> dist.Store:
     """The key-value store the default process group was made with (torch has no public getter)."""
     return dist.distributed_c10d._get_default_store()

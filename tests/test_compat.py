@@ -92,6 +92,30 @@ def test_torch_compile_returns_the_module_type_unwrap_peels():
     assert isinstance(compiled, compat.compiled_module_type()) and compiled._orig_mod is net
 
 
+def test_compile_like_compiles_another_module_in_place_with_the_same_backend():
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compiled, other, x = torch.compile(Scaled(), backend=backend), Scaled(), torch.randn(3, 2)
+    compat.compile_like(compiled, other)
+    assert torch.equal(other(x), 2 * x) and len(graphs) == 1
+    assert list(other.state_dict()) == ["scale"]  # in place: the names stay the module's
+
+
+class Scaled(nn.Module):
+    """A module of this file: torch.compile starts no frame in torch's own modules (nn.Linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale * x
+
+
 def test_importing_loom_leaves_torch_compile_unloaded():
     """torch._dynamo costs every process 1.3 s of CPU to import; loom only looks for it."""
     code = "import sys, loom, loom.launch.worker; print('torch._dynamo' in sys.modules)"

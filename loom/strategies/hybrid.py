@@ -108,7 +108,6 @@ class HybridStrategy(MeshStrategy):
         staged = self._pipeline.prepare(model)  # 1. this process keeps its stage; the others' tensors become meta
         with self._guard():
             self._parallelize(model, list(staged.runner.modules.values()))
-        staged.owned = {n: t for n, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
         params = [p for p in model.parameters() if not p.is_meta]
         if optimizer is None:
             return staged
@@ -146,7 +145,7 @@ class HybridStrategy(MeshStrategy):
                    max_grad_norm: float | None = None, accumulate: int = 1) -> TrainStep:  # fmt: skip
         if self._pipeline is None:
             return super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
-        return PipelineStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+        return PipelineStep(self, self._pipeline.prepared_stages(model), loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self._pipeline is not None:

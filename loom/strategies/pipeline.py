@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from typing import Any, Sequence
 
 import torch
@@ -25,15 +26,16 @@ from torch import nn
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
+from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.fast_path import refuse as refuse_fast_path
-from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
+from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
-from loom.strategies.pipeline_state import named_groups, stage_view
-from loom.strategies.pipeline_split import Layers, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
+from loom.strategies.pipeline_state import held_tensors, named_groups, stage_view
+from loom.strategies.pipeline_split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
 from loom.strategies.precision import AutocastModule
 from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
 
@@ -110,6 +112,7 @@ class PipelineStrategy(Strategy):
         if self.microbatches < 1:
             raise ValueError(f"microbatches must be a positive number, got {self.microbatches}")
         self.schedule, self.balance, self.split_points, self.example_inputs = schedule, balance, split_points, example_inputs
+        self._split: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules prepare() cut: save and restore take them too
 
     # ---- topology ---------------------------------------------------------------------------
     @property
@@ -138,6 +141,7 @@ class PipelineStrategy(Strategy):
         refuse_fast_path(type(self).__name__, fast_path)
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        compiled, model = _compiled(model), unwrap(model)  # torch.compile(model): its stages' blocks are compiled alike
         if isinstance(optimizer, torch.optim.Optimizer):
             ids = {id(p) for p in model.parameters()}
             if not all(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
@@ -145,7 +149,8 @@ class PipelineStrategy(Strategy):
                     "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
                     "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
                 )
-        layers = find_layers(model)
+        layers = find_layers(model, self.split_points)
+        refuse_batchnorm(model)
         bounds = self._bounds(layers)
         check_untied(layers, bounds)
         self.print(describe(layers, bounds))
@@ -153,9 +158,12 @@ class PipelineStrategy(Strategy):
             runner = PipelineRunner(layers, bounds, self.schedule, self.microbatches, self.virtual_stages, self._device, self.precision, self.group)
         owned = owned_tensors(layers, bounds, runner.mine)
         _release(model, owned)
+        self._split.add(model)
         for tensor in owned.values():
             tensor.data = tensor.data.to(self._device)
-        wrapped = PipelineModule(model, self, runner, owned)
+        if compiled is not None:
+            runner.compile_like(compiled)
+        wrapped = PipelineModule(model, self, runner)
         if optimizer is None:
             return wrapped
         params = [p for p in model.parameters() if not p.is_meta]
@@ -189,9 +197,18 @@ class PipelineStrategy(Strategy):
         ``accumulate * microbatches`` equal micro-batches, and keep the first one's shape; a
         smaller batch (an epoch's short last one) runs unpipelined, stage after stage, as one
         micro-batch, and gives the same update."""
-        if not isinstance(model, PipelineModule) or model.strategy is not self:
-            raise TypeError("PipelineStrategy.train_step takes the model this strategy's prepare() returned")
-        return PipelineStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+        return PipelineStep(self, self.prepared_stages(model), loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+
+    def prepared_stages(self, model: nn.Module) -> PipelineModule:
+        """What ``prepare`` returned, from ``model``: that, or ``torch.compile`` of it (whose settings
+        then compile the stages' blocks: the schedule runs them, not the model's forward)."""
+        compiled = _compiled(model)
+        stages = compiled._orig_mod if compiled is not None else model
+        if not isinstance(stages, PipelineModule) or stages.strategy is not self:
+            raise TypeError(f"{type(self).__name__}.train_step takes the model this strategy's prepare() returned")
+        if compiled is not None:
+            stages.runner.compile_like(compiled)
+        return stages
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         raise RuntimeError(EAGER_REFUSAL)
@@ -236,13 +253,6 @@ class PipelineStrategy(Strategy):
         ``strict`` holds for the stages together: a tensor no stage wants, or one a stage
         wants and the checkpoint lacks, is an error.
         """
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # DCP: imported by restores only
-
-        for value in state.values():  # DCP creates missing optimizer state by a step at lr 0: on the real groups
-            if isinstance(value, torch.optim.Optimizer) and not inner_optimizer(value).state:
-                module = self._module_of(value, state)
-                if module is not None:
-                    get_optimizer_state_dict(stage_view(unwrap(module), module.owned), inner_optimizer(value))
         staged = self._stage_state(state)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="loom: restored part")
@@ -263,23 +273,22 @@ class PipelineStrategy(Strategy):
             )
         return restored
 
-    def _module_of(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> PipelineModule | None:
-        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-        return next((v for v in state.values() if isinstance(v, PipelineModule) and any(first is t for t in v.owned.values())), None)
-
     def _stage_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """Modules as views of this stage's tensors; their optimizers naming every stage's parameters."""
         staged = dict(state)
-        views = {}
-        for name, value in state.items():
-            if isinstance(value, PipelineModule):
-                views[id(value)] = staged[name] = stage_view(unwrap(value), value.owned)
+        views: list[tuple[nn.Module, dict[str, torch.Tensor]]] = []
+        for name, value in state.items():  # what prepare() returned, or the module it was given (compiled or not)
+            if isinstance(value, nn.Module) and unwrap(value) in self._split:
+                owned = held_tensors(unwrap(value))
+                staged[name] = stage_view(unwrap(value), owned)
+                views.append((staged[name], owned))
         for name, value in state.items():
             if isinstance(value, torch.optim.Optimizer):
-                module = self._module_of(value, state)
-                if module is not None:
+                first = next((p for g in value.param_groups for p in g["params"]), None)
+                view = next((v for v, owned in views if any(first is t for t in owned.values())), None)
+                if view is not None:
                     with self._guard():
-                        staged[name] = named_groups(views[id(module)], value, self.group)
+                        staged[name] = named_groups(view, value, self.group)
         return staged
 
     # ---- cross-replica values: over the dp axis only ----------------------------------------
@@ -309,17 +318,19 @@ class PipelineModule(AutocastModule):
     with gradients in training mode it refuses, pointing to ``train_step``.
     """
 
-    def __init__(self, module: nn.Module, strategy: PipelineStrategy, runner: PipelineRunner, owned: dict[str, torch.Tensor]) -> None:
+    def __init__(self, module: nn.Module, strategy: PipelineStrategy, runner: PipelineRunner) -> None:
         super().__init__(module, strategy.precision)
         self.strategy = strategy
         self.runner = runner
-        self.owned = owned  # this process's parameters and buffers, by their names in the model
 
     def forward(self, inputs: Any) -> Any:  # type: ignore[override]
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(EAGER_REFUSAL)
+        run = self.runner.forward
+        if torch.compiler.is_compiling():  # torch.compile(prepared): the stages' blocks are compiled, not the sends
+            run = torch.compiler.disable(run)
         with self.strategy._guard():
-            return self.runner.forward(inputs)
+            return run(inputs)
 
 
 class PipelineStep(TrainStep):
@@ -375,6 +386,12 @@ def _check_options(schedule: str, virtual_stages: int, balance: str, example_inp
             "PipelineStrategy cannot run precision='16-mixed': one stage's fp16 overflow would have to skip the step "
             "on every stage; use precision='bf16-mixed'"
         )
+
+
+def _compiled(model: nn.Module) -> nn.Module | None:
+    """``model`` if it is ``torch.compile``'s wrapper of a module, else None."""
+    compiled = compiled_module_type()
+    return model if compiled is not None and isinstance(model, compiled) else None
 
 
 def _release(model: nn.Module, owned: dict[str, torch.Tensor]) -> None:

@@ -6,13 +6,14 @@ the pp axis's process group, and knows nothing about data parallelism.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from loom.strategies.pipeline_split import Layers, LastStage, build_stage
+from loom.compat import compile_like
+from loom.strategies.pipeline_split import Layers, LastStage, build_stage, tensors_in, to_meta
 from loom.strategies.precision import Precision
 from loom.strategies.step import _detached, batch_len, slice_batch
 
@@ -62,6 +63,7 @@ class PipelineRunner:
         self.device = device
         self.precision = precision
         self._schedule: Any = None
+        self._scheduled: dict[int, ScheduledStage] = {}  # the stages as the schedule runs them, built with it
         self._shapes: Any = None  # of the first step's micro-batch: torch's schedules keep them
         self._loss: Callable[[Any, Any], torch.Tensor] | None = None
         self._scale = 1.0
@@ -83,16 +85,14 @@ class PipelineRunner:
 
         name, per_process = SCHEDULES[self.schedule_name]
         cls, PipelineStage = getattr(pipelining, name), pipelining.PipelineStage
-        stages = [
-            PipelineStage(self.precision.wrap(self.modules[s]), s, self.num_stages, self.device, group=self.group)
-            for s in self.mine
-        ]
+        self._scheduled = {s: ScheduledStage(self.precision.wrap(self.modules[s]), self.device) for s in self.mine}
+        stages = [PipelineStage(self._scheduled[s], s, self.num_stages, self.device, group=self.group) for s in self.mine]
         options = dict(n_microbatches=self.microbatches, loss_fn=self._compute_loss, scale_grads=False)
         return cls(stages[0], **options) if per_process == 1 else cls(stages, **options)
 
     def _compute_loss(self, outputs: Any, target: Any) -> torch.Tensor:
         assert self._loss is not None
-        loss = self._loss(outputs, target)
+        loss = self._loss(self._scheduled[self.num_stages - 1].rebuild(outputs), target)
         self._losses.append(loss.detach())
         return self.precision.scale(loss * self._scale)
 
@@ -126,6 +126,7 @@ class PipelineRunner:
         args = (inputs,) if self.first else ()
         target = (targets if targets is not None else torch.zeros(batch_len(inputs))) if self.last else None
         outputs = self._schedule.step(*args, target=target)
+        outputs = self._scheduled[self.num_stages - 1].rebuild(outputs) if self.last else None
         # the first step also computes a loss while torch infers the shapes: the schedule's are the last ones
         loss = torch.stack(self._losses[-self.microbatches :]).mean() if self.last else torch.zeros((), device=self.device)
         return self._from_last(loss), self._from_last(outputs)
@@ -200,12 +201,66 @@ class PipelineRunner:
         dist.broadcast_object_list(header, src=src, group=self.group)
         return _broadcast_tensors(tree if self.last else None, header[0], src, self.group, self.device)
 
+    def compile_like(self, compiled: nn.Module) -> None:
+        """Compile each block of this process's stages as ``compiled`` (``torch.compile(model)``) was."""
+        for module in self.modules.values():
+            for block in getattr(module, "blocks", None) or module.layers:
+                compile_like(compiled, block)
+
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}
         for module in self.modules.values():
             for p in module.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+
+class ScheduledStage(nn.Module):
+    """A stage as torch's schedule runs it: shape inference that changes nothing, tensors out.
+
+    The schedule's first call is torch's shape inference, a real forward (and backward) on the
+    first micro-batch or on uninitialised tensors. It runs here on copies of the stage's
+    buffers and with the random generators put back after, so no running statistic, counter
+    or dropout draw depends on when the schedule was built (a resumed run builds it again).
+    The stage's outputs go to torch as a tuple of their tensors, and ``rebuild`` puts the
+    model's structure back (``(logits, None)``: torch's stages take tensors only).
+    """
+
+    def __init__(self, module: nn.Module, device: torch.device) -> None:
+        super().__init__()
+        self.module = module
+        self.device = device
+        self.inferring = True
+        self.structure: Any = None  # the last output, its tensors on the meta device
+
+    def forward(self, *args: Any) -> Any:
+        if self.inferring:
+            self.inferring = False
+            from torch.func import functional_call  # torch.func imports functorch: only where a stage runs
+
+            buffers = {name: b.clone() for name, b in self.module.named_buffers()}
+            with torch.random.fork_rng(devices=[self.device] if self.device.type != "cpu" else [], device_type=self.device.type):
+                out = functional_call(self.module, buffers, args, strict=False)
+        else:
+            out = self.module(*args)
+        self.structure = to_meta(out)
+        tensors = list(tensors_in(out))
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+    def rebuild(self, flat: Any) -> Any:
+        """The stage's outputs in the model's structure, from the tensors ``forward`` handed on."""
+        tensors = iter(flat if isinstance(flat, tuple) else (flat,))
+        return _refill(self.structure, tensors)
+
+
+def _refill(tree: Any, tensors: Iterator[torch.Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return next(tensors)
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_refill(t, tensors) for t in tree)
+    if isinstance(tree, dict):
+        return {k: _refill(v, tensors) for k, v in tree.items()}
+    return tree
 
 
 def _shapes(tree: Any) -> Any:

@@ -3,10 +3,12 @@
 Two shapes of model are split, as they are:
 
 - an ``nn.Sequential``: its children are the layers, and a stage runs a contiguous run of them;
-- a model whose ``forward`` runs an ``nn.ModuleList`` attribute of blocks one after another
-  (``for block in self.blocks: x = block(x)``): the blocks are the layers. The modules
-  registered before the list (embeddings) belong to the first stage, those after it (final
-  norm, head) to the last, as do parameters of the model itself.
+- a model whose ``forward`` runs an ``nn.ModuleList`` of blocks one after another
+  (``for block in self.blocks: x = block(x)``), or calls an ``nn.Sequential`` of them, at any
+  depth (nanoGPT's ``transformer.h``, a ModuleList in a ModuleDict): the blocks are the layers.
+  The modules registered before the container, at each level of its path (embeddings), belong
+  to the first stage, those after it (final norm, head) to the last, as do parameters of the
+  model itself. Names stay the model's, so checkpoints keep its keys.
 
 The first stage runs the model's own ``forward`` with the list cut to its blocks, and stops
 at the end of the last one. Middle stages run their blocks. The last stage runs ``forward``
@@ -25,6 +27,8 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from loom.compat import BatchNormBase
+
 
 @dataclass(frozen=True)
 class Layers:
@@ -32,7 +36,7 @@ class Layers:
 
     model: nn.Module
     names: list[str]  # the layers' full names: "0", "1" (Sequential) or "blocks.0", "blocks.1"
-    list_name: str | None  # the ModuleList attribute; None for a Sequential
+    list_name: str | None  # the blocks' container by its dotted path ("transformer.h"); None for a Sequential model
     before: list[str]  # children registered before the list (first stage)
     after: list[str]  # children registered after it (last stage)
 
@@ -46,21 +50,55 @@ class Layers:
         return (self.before if first else []) + names + (self.after if last else [])
 
 
-def find_layers(model: nn.Module) -> Layers:
-    """The layers of an ``nn.Sequential``, or the blocks of a model's largest ``nn.ModuleList``."""
-    if isinstance(model, nn.Sequential):
-        return Layers(model, [name for name, _ in model.named_children()], None, [], [])
-    lists = [(name, child) for name, child in model.named_children() if isinstance(child, nn.ModuleList)]
-    if not lists:
+def find_layers(model: nn.Module, split_points: Sequence[str] | None = None) -> Layers:
+    """The layers of an ``nn.Sequential``, or the blocks of the model's largest ``nn.ModuleList`` or
+    ``nn.Sequential`` at any depth (``transformer.h``); with ``split_points``, of the one they name."""
+    if split_points:
+        list_name = split_points[0].rpartition(".")[0]
+        container = _container_at(model, list_name, split_points[0])
+    elif isinstance(model, nn.Sequential):
+        list_name, container = "", model
+    else:
+        lists = [(name, m) for name, m in model.named_modules() if name and isinstance(m, (nn.ModuleList, nn.Sequential))]
+        if not lists:
+            raise ValueError(
+                f"PipelineStrategy splits an nn.Sequential, or a model whose forward runs an nn.ModuleList of blocks; "
+                f"{type(model).__name__} has neither: keep its blocks in an nn.ModuleList attribute"
+            )
+        list_name, container = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    names = [f"{list_name}.{child}" if list_name else child for child, _ in container.named_children()]
+    if not list_name:
+        return Layers(model, names, None, [], [])
+    before, after = _around(model, list_name)
+    return Layers(model, names, list_name, before, after)
+
+
+def _container_at(model: nn.Module, path: str, point: str) -> nn.Module:
+    """The ModuleList or Sequential a split point is a block of."""
+    try:
+        container = model.get_submodule(path)
+    except AttributeError:
+        container = None
+    if not isinstance(container, (nn.ModuleList, nn.Sequential)):
         raise ValueError(
-            f"PipelineStrategy splits an nn.Sequential, or a model whose forward runs an nn.ModuleList of blocks; "
-            f"{type(model).__name__} has neither: keep its blocks in an nn.ModuleList attribute"
+            f"split point {point!r} is no block of an nn.ModuleList or nn.Sequential of {type(model).__name__}: "
+            "name blocks by their path in the model (\"transformer.h.2\")"
         )
-    list_name, blocks = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
-    children = [name for name, _ in model.named_children()]
-    at = children.index(list_name)
-    names = [f"{list_name}.{i}" for i in range(len(blocks))]
-    return Layers(model, names, list_name, children[:at], children[at + 1 :])
+    return container
+
+
+def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
+    """The modules registered before and after ``path``, at every level of it, by their full names."""
+    before: list[str] = []
+    after: list[str] = []
+    parent, prefix = model, ""
+    for part in path.split("."):
+        children = list(parent._modules)
+        at = children.index(part)
+        before += [prefix + name for name in children[:at]]
+        after = [prefix + name for name in children[at + 1 :]] + after
+        parent, prefix = parent._modules[part], f"{prefix}{part}."
+    return before, after
 
 
 def parameter_costs(layers: Layers) -> list[float]:
@@ -247,18 +285,20 @@ class _ForwardStage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
         # Registered so that the stage's parameters are its own (zero-bubble schedules compute their
         # weight gradients from them); the model is not a submodule: the stage owns only its part.
-        self.outer = nn.ModuleDict({name: layers.module(name) for name in outer})
+        self.outer = nn.ModuleList(layers.module(name) for name in outer)
         object.__setattr__(self, "model", layers.model)
         self.list_name = layers.list_name
         self.before = layers.before
 
     def _with_list(self, modules: list[nn.Module], call: Callable[[], Any]) -> Any:
-        original = self.model._modules[self.list_name]
-        self.model._modules[self.list_name] = nn.ModuleList(modules)
+        path, _, name = self.list_name.rpartition(".")
+        parent = self.model.get_submodule(path)
+        original = parent._modules[name]
+        parent._modules[name] = nn.Sequential(*modules) if isinstance(original, nn.Sequential) else nn.ModuleList(modules)
         try:
             return call()
         finally:
-            self.model._modules[self.list_name] = original
+            parent._modules[name] = original
 
 
 class FirstStage(_ForwardStage):
@@ -293,7 +333,7 @@ class LastStage(_ForwardStage):
         early = {**_named_tensors(self.model, self.before), **_own_tensors(self.model)}
         meta = {name: torch.empty_like(t, device="meta") for name, t in early.items()}
         out = self._with_list([feed, *self.blocks], lambda: functional_call(self.model, meta, (to_meta(self.example),), strict=False))
-        if any(t.is_meta for t in _tensors(out)):
+        if any(t.is_meta for t in tensors_in(out)):
             raise RuntimeError(
                 f"{type(self.model).__name__}.forward uses, after its {self.list_name}, a value computed before them, "
                 "which a later pipeline stage does not have: make the model an nn.Sequential, or pass it to the blocks"
@@ -313,15 +353,15 @@ def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(model.named_parameters(recurse=False)), **dict(model.named_buffers(recurse=False))}
 
 
-def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
     if isinstance(tree, torch.Tensor):
         yield tree
     elif isinstance(tree, (list, tuple)):
         for t in tree:
-            yield from _tensors(t)
+            yield from tensors_in(t)
     elif isinstance(tree, dict):
         for t in tree.values():
-            yield from _tensors(t)
+            yield from tensors_in(t)
 
 
 def to_meta(tree: Any) -> Any:
@@ -362,6 +402,17 @@ def check_untied(layers: Layers, bounds: Sequence[int]) -> None:
                     f"{first[1]} (stage {first[0]}) and {name} (stage {s}) are one tied parameter, which two stages "
                     "would train as two copies: untie them, or keep both modules in one stage with split_points"
                 )
+
+
+def refuse_batchnorm(model: nn.Module) -> None:
+    """BatchNorm in a pipeline would normalise each micro-batch by its own statistics: refuse it."""
+    for name, module in model.named_modules():
+        if isinstance(module, BatchNormBase):
+            raise ValueError(
+                f"PipelineStrategy cannot train BatchNorm layer '{name}' as one device does: each micro-batch would be "
+                "normalised by its own statistics, and update the running ones once per micro-batch; use GroupNorm or "
+                "LayerNorm there, or MirroredStrategy(sync_batchnorm=True)"
+            )
 
 
 def owned_tensors(layers: Layers, bounds: Sequence[int], stages: Sequence[int]) -> dict[str, torch.Tensor]:

@@ -33,6 +33,11 @@ def stage_view(model: nn.Module, owned: dict[str, torch.Tensor]) -> nn.Module:
     return view
 
 
+def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters and buffers of ``model`` this process holds (not meta: another stage's), by name."""
+    return {name: t for name, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta}
+
+
 def _container(root: nn.Module, path: str) -> nn.Module:
     module = root
     for part in path.split(".") if path else []:
@@ -76,7 +81,17 @@ class NamedGroups(torch.optim.Optimizer):
         self.optimizer.load_state_dict({"state": {k: v for k, v in state_dict["state"].items() if k in kept}, "param_groups": groups})
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        return self.optimizer.step(closure)
+        """The stage optimizer's step under these groups' hyper-parameters: DCP creates missing state
+        by a step with their ``lr`` set to 0, which must not move the parameters."""
+        groups = self.optimizer.param_groups
+        kept = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        for group, mine in zip(groups, self.param_groups):
+            group.update({k: v for k, v in mine.items() if k != "params"})
+        try:
+            return self.optimizer.step(closure)
+        finally:
+            for group, saved in zip(groups, kept):
+                group.update(saved)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -223,19 +223,49 @@ def fit_then_save(make: Make, directory: Path) -> dict[str, Any]:
     return {"path": str(directory)}
 
 
+def restore_of_nothing(make: Make, directory: Path) -> dict[str, Any]:
+    """``restore`` of an empty and of a missing directory returns None and changes nothing: the
+    optimizer (no step taken), scheduler and data position are as before, and training then
+    equals ``adamw_weight_decay`` (Adam's step count decides every update's size)."""
+    strategy = make()
+    model, opt = strategy.prepare(mlp(), adamw)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # restored, never stepped
+    loader = strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False)
+    state = {"model": model, "optimizer": opt, "scheduler": scheduler, "loader": loader}
+    before = [_plain(v.state_dict()) for v in (opt, scheduler, loader)]
+    (directory / "empty").mkdir(parents=True, exist_ok=True)
+    returned = [strategy.restore(directory / "empty", **state), strategy.restore(directory / "missing", **state)]
+    unchanged = [_plain(v.state_dict()) == b for v, b in zip((opt, scheduler, loader), before)]
+    step = strategy.train_step(model, F.cross_entropy, opt)
+    for x, y in loader:
+        step(x, y)
+    return {"weights": weights(model), "returned": [r is None for r in returned], "unchanged": unchanged}
+
+
+def _plain(tree: Any) -> Any:
+    """``tree`` with its tensors as lists, so two states compare with ``==``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.tolist()
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_plain(v) for v in tree]
+    return tree
+
+
 CASES: dict[str, Callable[..., dict[str, Any]]] = {
     fn.__name__: fn
     for fn in (sgd_momentum, adamw_weight_decay, eager_loop, bf16_mixed, fp16_mixed, accumulate_in_step,
                accumulate_eager, clipping, step_lr, reduce_and_gather, fit_metrics, save_and_restore,
-               gpt_own_loss, gpt_output_object, batchnorm_cnn, compile_before_prepare, compile_after_prepare, fit_then_save)
+               gpt_own_loss, gpt_output_object, batchnorm_cnn, compile_before_prepare, compile_after_prepare, fit_then_save, restore_of_nothing)
 }  # fmt: skip
 
 
 def run_case(name: str, make: Make, checkpoints: Path) -> dict[str, Any]:
-    """One case, with the checkpoint directories ``save_and_restore`` and ``fit_then_save`` need."""
+    """One case, with the checkpoint directories the saving cases need."""
     if name == "save_and_restore":
         return CASES[name](make, checkpoints / "saved", checkpoints / "reference")
-    if name in ("fit_then_save", "compile_before_prepare", "compile_after_prepare"):
+    if name in ("fit_then_save", "compile_before_prepare", "compile_after_prepare", "restore_of_nothing"):
         return CASES[name](make, checkpoints / name)
     return CASES[name](make)
 

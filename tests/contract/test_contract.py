@@ -226,3 +226,17 @@ def test_the_users_own_module_saves_with_the_models_keys(contract_results, strat
         reference_model, _ = one.prepare(mlp(), sgd)
         one.restore(reference["path"], model=reference_model)
         assert max_difference(model.state_dict(), reference_model.state_dict()) <= TOLERANCE
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_restore_of_an_empty_or_missing_directory_changes_nothing(contract_results, strategy):
+    """README's start-of-run ``strategy.restore(dir)``: None, the optimizer, scheduler and data position
+    untouched, and the training that follows is the one without the call."""
+    replicas = result(contract_results, strategy, "restore_of_nothing")
+    if strategy in LOCAL:
+        expected = simulate(strategy, "adamw_weight_decay")
+    else:
+        (reference,) = result(contract_results, "one_device", "adamw_weight_decay")
+        expected = [reference["weights"]] * len(replicas)
+    for got, want in zip(replicas, expected):
+        assert got["returned"] == [True, True] and got["unchanged"] == [True, True, True]
+        assert max_difference(got["weights"], want) <= TOLERANCE

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import TensorDataset
 
 import loom
@@ -34,16 +35,97 @@ def batches(n: int, size: int = BATCH, seed: int = 1):
     return [tuple(torch.randint(0, CONFIG.vocab, (size, CONFIG.context), generator=g) for _ in range(2)) for _ in range(n)]
 
 
+class NanoGPT(nn.Module):
+    """nanoGPT's layout: blocks in ``transformer.h``, a ModuleList inside a ModuleDict; ``(logits, None)`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        reference = GPT(CONFIG)
+        self.transformer = nn.ModuleDict({"wte": reference.embed, "wpe": reference.pos, "h": reference.blocks, "ln_f": reference.ln_f})
+        self.lm_head = reference.head
+
+    def forward(self, idx: torch.Tensor):
+        x = self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x)), None
+
+
+def nano_loss(out, targets):
+    return next_byte_loss(out[0], targets)
+
+
+class Counter(nn.Module):
+    """Counts its forward calls in training in a buffer, as BatchNorm counts its batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+        return x
+
+
 def mine(prepared) -> dict:
     """This stage's trained tensors by their names in the model (the others are another process's)."""
     return {k: v.detach().clone() for k, v in loom.unwrap(prepared).state_dict().items() if not v.is_meta}
 
 
-def train(strategy, steps: int, **step_options):
-    prepared, opt = strategy.prepare(model(), adamw)
-    step = strategy.train_step(prepared, next_byte_loss, opt, **step_options)
+def train(strategy, steps: int, build=model, loss=next_byte_loss, **step_options):
+    prepared, opt = strategy.prepare(build(), adamw)
+    step = strategy.train_step(prepared, loss, opt, **step_options)
     losses = [float(step(x, y)) for x, y in batches(steps)]
     return prepared, opt, step, losses
+
+
+def after_fit(strategy, directory: Path) -> dict:
+    """``fit``, then ``save`` and ``restore`` with the module the user passed (other stages' tensors meta there)."""
+    gpt = model()
+    data = TensorDataset(*(torch.cat(parts) for parts in zip(*batches(2))))
+    loom.fit(gpt, next_byte_loss, adamw, data, batch_size=BATCH, shuffle=False, strategy=strategy, progress=False)
+    strategy.save(directory, step=2, model=gpt)
+    again = model()
+    strategy.prepare(again, adamw)
+    strategy.restore(directory, model=again)
+    return {"fitted": mine(gpt), "restored": mine(again)}
+
+
+def from_nothing(strategy, directory: Path) -> dict:
+    """``restore`` of an empty directory at the start, then two AdamW steps."""
+    prepared, opt = strategy.prepare(model(), adamw)
+    directory.mkdir(exist_ok=True)
+    returned = strategy.restore(directory, model=prepared, optimizer=opt)
+    step = strategy.train_step(prepared, next_byte_loss, opt)
+    for x, y in batches(2):
+        step(x, y)
+    return {"returned": returned, "weights": mine(prepared), "adam_steps": sorted({int(v["step"]) for v in opt.state_dict()["state"].values()})}
+
+
+def compiled(strategy, first: bool, directory: Path) -> dict:
+    """Two steps of ``torch.compile(model)`` given to ``prepare`` (``first``), or of ``torch.compile(prepare(...))``;
+    then saved with what the user holds. The backend records the graphs it was given."""
+    graphs = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    if first:
+        user = torch.compile(model(), backend=backend)
+        prepared, opt = strategy.prepare(user, adamw)
+    else:
+        prepared, opt = strategy.prepare(model(), adamw)
+        prepared = user = torch.compile(prepared, backend=backend)
+    step = strategy.train_step(prepared, next_byte_loss, opt)
+    for x, y in batches(2):
+        step(x, y)
+    with torch.no_grad():
+        outputs = prepared(batches(1, size=3, seed=4)[0][0])  # inference, stage after stage
+    strategy.save(directory, step=2, model=user, optimizer=opt)
+    return {"weights": mine(prepared), "graphs": len(graphs), "outputs": outputs.shape}
 
 
 def uneven_epoch(strategy):
@@ -104,6 +186,7 @@ def main() -> None:
         "microbatches": error_of(lambda: first_step(x[:6], y[:6])),
         "eager": error_of(lambda: prepared(x)),
         "fast_path": error_of(lambda: strategy.prepare(model(), fast_path=True, example_input=x)),
+        "batchnorm": error_of(lambda: strategy.prepare(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))),
     }
     strategy.save(directory / "pipeline", step=10, model=prepared, optimizer=opt)
     fresh, fresh_opt = strategy.prepare(model(), adamw)
@@ -158,7 +241,35 @@ def main() -> None:
             "loss_difference": abs(losses[0] - one_losses[0]),
             "weight_difference": max((v - one.state_dict()[k]).abs().max().item() for k, v in weights.items()),
         }
+    results["seams"] = seams(directory)
     torch.save(results, directory / f"results-{dist.get_rank()}.pt")
+
+
+def seams(directory: Path) -> dict:
+    """Real models' shapes: nested blocks, outputs with None, buffers, compile, fit then save, restore of nothing."""
+    one_nano, _, _, one_losses = train(loom.OneDeviceStrategy(), 2, NanoGPT, nano_loss)
+    nano_results = {}
+    for name, split in {"auto": None, "dotted": ["transformer.h.3"]}.items():
+        nano, _, _, losses = train(loom.PipelineStrategy(split_points=split, timeout=60), 2, NanoGPT, nano_loss)
+        nano_results[name] = {"weights": mine(nano), "reference": one_nano.state_dict(), "losses": losses, "bounds": nano.runner.bounds}
+    nano_results["reference_losses"] = one_losses
+
+    counter = Counter()
+    counted, counted_opt = loom.PipelineStrategy(split_points=["1"], timeout=60).prepare(nn.Sequential(nn.Linear(4, 4), counter, nn.Linear(4, 2)), adamw)
+    counted_step = counted.strategy.train_step(counted, torch.nn.functional.cross_entropy, counted_opt)
+    for _ in range(2):  # two steps of 2 micro-batches: 4 calls, and none from the shape inference
+        counted_step(torch.randn(BATCH, 4), torch.randint(0, 2, (BATCH,)))
+
+    strategy = loom.PipelineStrategy(timeout=60)
+    hybrid = loom.HybridStrategy(mesh={"pp": 2}, timeout=60)
+    return {
+        "nano": nano_results,
+        "counted": None if counter.calls.is_meta else int(counter.calls),
+        "compiled": {f"{name}_{order}": compiled(s, order == "before", directory / f"compiled_{name}_{order}")
+                     for name, s in {"pipeline": strategy, "hybrid": hybrid}.items() for order in ("before", "after")},
+        "after_fit": {"pipeline": after_fit(strategy, directory / "after_fit"), "hybrid": after_fit(hybrid, directory / "hybrid_after_fit")},
+        "from_nothing": from_nothing(hybrid, directory / "nothing"),
+    }
 
 
 @torch.no_grad()

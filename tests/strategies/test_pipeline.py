@@ -14,6 +14,7 @@ import loom
 from examples.gpt_model import GPT, GPTConfig
 from loom.strategies.pipeline_runner import stage_owners
 from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, split_bounds, time_costs
+from tests.scripts.pipeline_job import NanoGPT
 from tests.helpers import SCRIPTS, loom_run
 from tests.scripts import pipeline_job
 
@@ -54,6 +55,23 @@ def test_a_split_into_n_stages_gives_the_unsplit_outputs(make, x):
     bounds = split_bounds(layers, 2, [layers.names[-1]])
     assert bounds == [0, len(layers.names) - 1, len(layers.names)]
     assert torch.equal(run_stages(model, bounds, x), expected)
+
+
+def test_blocks_nested_in_containers_are_found_by_their_dotted_path():
+    """nanoGPT keeps its blocks in transformer.h, a ModuleList inside a ModuleDict: the split reaches them
+    (automatically, or at a named block), the modules around them at each level go to the first and last
+    stages, and the stages give the unsplit outputs, ``(logits, None)`` included."""
+    model, x = NanoGPT(), torch.randint(0, 256, (3, 8))
+    for layers in (find_layers(model), find_layers(model, ["transformer.h.3"])):
+        assert layers.names == [f"transformer.h.{i}" for i in range(4)]
+        assert layers.before == ["transformer.wte", "transformer.wpe"] and layers.after == ["transformer.ln_f", "lm_head"]
+        logits, none = run_stages(model, split_bounds(layers, 2, ["transformer.h.3"]), x)
+        assert torch.equal(logits, model(x)[0]) and none is None
+    body = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    wrapped = nn.ModuleDict({"body": body, "head": nn.Linear(4, 2)})  # a Sequential inside a container
+    assert find_layers(wrapped).names == ["body.0", "body.1", "body.2"] and find_layers(wrapped).after == ["head"]
+    with pytest.raises(ValueError, match=r"^split point 'transformer.wte' is no block of an nn.ModuleList or nn.Sequential of NanoGPT"):
+        find_layers(model, ["transformer.wte"])
 
 
 def test_the_stages_hold_the_models_parameters_once():
@@ -190,6 +208,7 @@ def test_an_epochs_short_last_batch_runs_stage_after_stage_and_equals_one_device
         ("microbatches", "ValueError: PipelineStrategy(microbatches=4) with accumulate=1 cannot split a batch of 6 into 4 equal micro-batches"),
         ("eager", "RuntimeError: PipelineStrategy runs forward and backward together in its schedule"),
         ("fast_path", "ValueError: PipelineStrategy does not take prepare(fast_path=...): each process holds only part of the model"),
+        ("batchnorm", "ValueError: PipelineStrategy cannot train BatchNorm layer '1' as one device does: each micro-batch would be normalised"),
     ],
 )
 def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
@@ -201,7 +220,7 @@ def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
 def test_the_split_is_printed_once_by_the_chief(job):
     lines = [line for line in job["stdout"].splitlines() if line.startswith("pipeline split:")]
     assert lines[0] == "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
-    assert len(lines) == 13  # thirteen prepares in the job, each printed by one process
+    assert len(lines) == 25  # twenty-five prepares in the job, each printed by one process
 
 
 def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
@@ -249,3 +268,57 @@ def test_replicated_pipelines_average_gradients_over_the_dp_axis(job):
     got = [rank["replicated"] for rank in job["ranks"]]
     assert [g["replica"] for g in got] == [0, 1] and all(g["replicas"] == 2 and g["reduced"] == 3 for g in got)
     assert all(g["rows"] == pipeline_job.BATCH // 2 and g["difference"] <= 1e-5 for g in got)
+
+
+# ---- the seams of real models, from the same job --------------------------------------------
+def test_nested_blocks_and_outputs_with_none_train_as_one_device(job):
+    """nanoGPT's layout split automatically and at "transformer.h.3": two AdamW steps equal one device's,
+    and each stage holds the model's own state-dict keys."""
+    for name in ("auto", "dotted"):
+        weights = whole(job["ranks"], "seams", "nano", name, "weights")
+        reference = job["ranks"][0]["seams"]["nano"][name]["reference"]
+        assert weights.keys() == reference.keys() and max_difference(weights, reference) <= 1e-5
+        for rank in job["ranks"]:
+            assert rank["seams"]["nano"][name]["losses"] == pytest.approx(rank["seams"]["nano"]["reference_losses"], abs=1e-5)
+    assert job["ranks"][0]["seams"]["nano"]["dotted"]["bounds"] == [0, 3, 4]
+
+
+def test_shape_inference_changes_no_buffer(job):
+    """torch infers the shapes sent between stages by a real forward at the first step; a buffer counting
+    training forwards (as BatchNorm's num_batches_tracked) sees only the 2 steps' 2 micro-batches each."""
+    assert [rank["seams"]["counted"] for rank in job["ranks"]] == [None, 4]  # the counter lives on stage 1
+
+
+@pytest.mark.parametrize("case", ["pipeline_before", "pipeline_after", "hybrid_before", "hybrid_after"])
+def test_torch_compile_composes_with_the_pipeline_in_both_orders(job, case):
+    """``prepare(torch.compile(model))`` and ``torch.compile(prepare(model))`` train as one device does, the
+    stages' blocks compiled by the user's backend (Hybrid: mesh {"pp": 2}); the checkpoint of what the user
+    holds has the model's own keys."""
+    assert max_difference(whole(job["ranks"], "seams", "compiled", case, "weights"), job["one_device"]) <= 1e-5
+    for rank in job["ranks"]:
+        assert rank["seams"]["compiled"][case]["graphs"] > 0
+        assert rank["seams"]["compiled"][case]["outputs"] == torch.Size([3, 8, 256])  # inference through it too
+    one = loom.OneDeviceStrategy()  # strict: a key with _orig_mod in it would not match
+    restored, _ = one.prepare(pipeline_job.model(), pipeline_job.adamw)
+    one.restore(job["root"] / f"compiled_{case}", model=restored)
+    assert max_difference(dict(restored.state_dict()), job["one_device"]) <= 1e-5
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "hybrid"])
+def test_save_and_restore_take_the_module_the_user_passed_after_fit(job, strategy):
+    """Its other stages' tensors are meta: each stage saves and restores its own (Hybrid: mesh {"pp": 2})."""
+    fitted = whole(job["ranks"], "seams", "after_fit", strategy, "fitted")
+    assert max_difference(fitted, job["one_device"]) <= 1e-5
+    assert max_difference(whole(job["ranks"], "seams", "after_fit", strategy, "restored"), fitted) == 0.0
+    one = loom.OneDeviceStrategy()
+    restored, _ = one.prepare(pipeline_job.model(), pipeline_job.adamw)
+    one.restore(job["root"] / ("after_fit" if strategy == "pipeline" else "hybrid_after_fit"), model=restored)
+    assert max_difference(dict(restored.state_dict()), fitted) == 0.0
+
+
+def test_restore_of_an_empty_directory_takes_no_step_under_a_hybrid_pp_axis(job):
+    """DCP creates missing optimizer state by a step at lr 0; with nothing to load it must not run (Adam's
+    step count would start at 1). PipelineStrategy's own case is a row of the contract suite."""
+    for rank in job["ranks"]:
+        assert rank["seams"]["from_nothing"]["returned"] is None and rank["seams"]["from_nothing"]["adam_steps"] == [2]
+    assert max_difference(whole(job["ranks"], "seams", "from_nothing", "weights"), job["one_device"]) <= 1e-5
