@@ -27,16 +27,28 @@ MESHES = {
 # of this GPT with a cold cache, more than the suite can spend. aot_eager runs the same tracing and
 # ahead-of-time autograd through the stages and FSDP, without generating code.
 COMPILE = "aot_eager"
+TIED_MESH = {"dp": 2, "tp": 2}  # replicas that FSDP replicates, each splitting a tied embedding and head
 
 
 def _job(directory: str) -> dict:
+    """Every run seeds each process differently, as nanoGPT does: all must start from rank 0's model."""
     results = {}
     for name, mesh in MESHES.items():
         make = lambda mesh=mesh, name=name: loom.HybridStrategy(  # noqa: E731
             mesh=mesh, activation_checkpointing=name == "fsdp_x_tp", compile=COMPILE if name == "pp_x_fsdp" else False, timeout=60)
-        results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None)
+        results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None, seed_by_rank=True)
+    results["tied"] = tp_gpt.train(lambda: loom.HybridStrategy(mesh=TIED_MESH, timeout=60), build=tp_gpt.TiedGPT, seed_by_rank=True)
+    results["hsdp_initial"] = _hsdp_initial()
     results["refused"] = _refusals()
     return results
+
+
+def _hsdp_initial() -> dict[str, torch.Tensor]:
+    """HSDP's model right after prepare, each rank seeded differently: replicas and shards alike are rank 0's."""
+    strategy = loom.HybridStrategy(mesh={"dp": 2, "dp_shard": 2}, timeout=60)
+    torch.manual_seed(strategy.cluster.rank)
+    model = strategy.prepare(GPT(tp_gpt.CONFIG))
+    return {k: tp_gpt.whole(v) for k, v in loom.unwrap(model).state_dict().items()}
 
 
 def _refusals() -> dict[str, str]:
@@ -76,6 +88,25 @@ def test_ten_adamw_steps_equal_one_device_on_the_global_batch(runs, mesh):
     assert max((weights[k] - untrained[k]).abs().max().item() for k in weights) > 1e-3, "training moved the weights"
     for rank in got:  # every process clipped with the whole model's norm, all stages and shards together
         assert rank["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_tied_embedding_and_head_stay_tied_over_tp_and_train_as_on_one_device(runs):
+    ranks, _, _ = runs
+    reference = tp_gpt.train(loom.OneDeviceStrategy, build=tp_gpt.TiedGPT)
+    for rank in ranks:
+        tied = rank["tied"]
+        assert tied["tied"] and tied["replicas"] == 2
+        assert tied["local_shapes"]["embed.weight"] == (tp_gpt.CONFIG.vocab // 2, tp_gpt.CONFIG.width)
+        assert max((tied["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items()) <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_replicas_and_shards_start_from_rank_0s_model(runs):
+    torch.manual_seed(0)
+    initial = GPT(tp_gpt.CONFIG).state_dict()
+    for rank in runs[0]:
+        assert max((rank["hsdp_initial"][k] - v).abs().max().item() for k, v in initial.items()) == 0.0
 
 
 @pytest.mark.timeout(300)
