@@ -60,6 +60,9 @@ class TensorParallelStrategy(MeshStrategy):
 
     The model must not hard-code sizes that the split divides: attention must reshape to
     ``(batch, time, -1, head_dim)``, as each process holds ``heads / degree`` heads.
+    ``torch.compile`` works before or after ``prepare``; where the sequence length changes
+    between calls, pass it ``dynamic=False``: torch's tracer fails on a split layer whose input
+    has a symbolic length (torch 2.13, a RecursionError in the backward's trace).
     """
 
     def __init__(
