@@ -33,7 +33,14 @@ from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline import EAGER_REFUSAL, PipelineStep, PipelineStrategy
 from loom.strategies.sharded import blocks, shard_model
 from loom.strategies.step import TrainStep
-from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize
+from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize, uncompiled
+
+
+# torch.compile of the whole model around FSDP's hooks fails in torch's tracer ("Mixing fake modes").
+COMPILED_REFUSAL = (
+    "HybridStrategy compiles each block itself, inside FSDP: pass it the uncompiled model and "
+    "compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
+)
 
 
 class HybridStrategy(MeshStrategy):
@@ -120,6 +127,8 @@ class HybridStrategy(MeshStrategy):
         return staged, StrategyOptimizer(optimizer(params), self.precision, self._may_step)
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
+        if uncompiled(module) is not module:
+            raise ValueError(COMPILED_REFUSAL)
         broadcast_states(module, self.device)
         self._parallelize(module, [module])
         return module

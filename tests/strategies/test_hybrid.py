@@ -60,6 +60,7 @@ def _refusals() -> dict[str, str]:
         "optimizer": lambda: strategy.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1)),
         "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
         "compile": lambda: loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], compile="inductr"),
+        "compiled_model": lambda: loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(torch.compile(GPT(tp_gpt.CONFIG))),
     }.items():
         try:
             attempt()
@@ -147,7 +148,7 @@ def test_a_pipeline_of_shards_checkpoint_restores_on_one_device(runs):
 
 
 @pytest.mark.timeout(300)
-def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_one_line(runs):
+def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_model_are_refused_in_one_line(runs):
     for rank in runs[0]:
         refused = rank["refused"]
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
@@ -155,4 +156,6 @@ def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_on
         assert refused["fast_path"].startswith("ValueError: HybridStrategy does not take prepare(fast_path=...): each process holds only part")
         assert refused["compile"].startswith("ValueError: unknown torch.compile backend 'inductr'; choose one of: ")
         assert "inductor" in refused["compile"]
+        assert refused["compiled_model"].startswith(
+            "ValueError: HybridStrategy compiles each block itself, inside FSDP: pass it the uncompiled model and compile=True")
         assert all("\n" not in line for line in refused.values())
