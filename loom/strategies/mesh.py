@@ -15,7 +15,7 @@ process rank 0's initial values, as DDP's constructor does.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Union
+from typing import Any, Iterator, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -98,6 +98,7 @@ class Mesh:
 
 
 MeshSpec = Union[Mesh, Mapping[str, int]]
+BROADCAST_BUCKET = 2**26  # elements: a model is copied a piece at a time, never whole
 
 
 def broadcast_states(module: nn.Module, device: torch.device) -> None:
@@ -105,8 +106,9 @@ def broadcast_states(module: nn.Module, device: torch.device) -> None:
 
     A script that seeds each rank differently (``torch.manual_seed(seed + rank)``, as nanoGPT
     does) builds a different model on each: the layers a plan leaves whole, the replicas and
-    the shards cut from them must all start from one model. One broadcast per dtype, sent
-    from ``device`` (NCCL sends only from the GPU).
+    the shards cut from them must all start from one model. One broadcast per dtype and
+    bucket (``BROADCAST_BUCKET`` elements, as DDP buckets its own), sent from ``device``
+    (NCCL sends only from the GPU).
     """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
@@ -114,10 +116,24 @@ def broadcast_states(module: nn.Module, device: torch.device) -> None:
             by_dtype.setdefault(tensor.dtype, []).append(tensor)
     with torch.no_grad():
         for dtype, tensors in by_dtype.items():
-            flat = torch.cat([t.reshape(-1).to(device) for t in tensors])
-            comm.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, 0)  # gloo has no bool
-            for tensor, value in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(value.view_as(tensor))
+            for bucket in _buckets(tensors):
+                flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+                comm.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, 0)  # gloo has no bool
+                for tensor, value in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    tensor.copy_(value.view_as(tensor))
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        if bucket and size + tensor.numel() > BROADCAST_BUCKET:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel()
+    if bucket:
+        yield bucket
 
 
 class MeshStrategy(Strategy):
