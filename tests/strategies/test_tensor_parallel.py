@@ -8,6 +8,8 @@ GPT keep it within 1e-5 (measured 4e-7).
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 from torch import nn
@@ -15,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import loom
 from examples.gpt_model import GPT
+from loom.strategies import mesh
 from loom.strategies.tensor_parallel import default_plan, resolve_plan
 from tests.helpers import run_ranks
 from tests.scripts import tp_gpt
@@ -36,7 +39,21 @@ def _job(directory: str) -> dict:
         "compiled_before": tp_gpt.train(tp, f"{directory}/compiled", compile="before"),
         "compiled_after": tp_gpt.train(tp, compile="after"),
         "refused": _refusals(),
+        "broadcast": _broadcast(),
     }
+
+
+def _broadcast() -> dict[str, torch.Tensor]:
+    """broadcast_states over buckets of 5 elements, with a bool buffer (gloo has no bool), from per-rank values."""
+    rank = torch.distributed.get_rank()
+    module = nn.Linear(3, 2)  # 6 + 2 float elements: two buckets
+    with torch.no_grad():
+        module.weight.fill_(rank + 1.0)
+        module.bias.fill_(-rank - 1.0)
+    module.register_buffer("mask", torch.tensor([rank == 0, rank == 1]))
+    with patch.object(mesh, "BROADCAST_BUCKET", 5):
+        mesh.broadcast_states(module, torch.device("cpu"))
+    return {k: v.clone() for k, v in module.state_dict().items()}
 
 
 def _refusals() -> dict[str, str]:
@@ -125,6 +142,14 @@ def test_compiled_before_or_after_prepare_the_plan_is_the_same_and_keys_show_no_
     model = one.prepare(GPT(tp_gpt.CONFIG))
     one.restore(f"{directory}/compiled", model=model)
     assert max_difference(model.state_dict(), ranks[0]["compiled_before"]["weights"]) == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_every_process_gets_rank_0s_parameters_and_buffers_bucket_by_bucket(runs):
+    for rank in runs[0]:
+        got = rank["broadcast"]
+        assert torch.equal(got["weight"], torch.ones(2, 3)) and torch.equal(got["bias"], -torch.ones(2))
+        assert got["mask"].tolist() == [True, False]
 
 
 @pytest.mark.timeout(300)
