@@ -38,8 +38,8 @@ from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, te
 
 # torch.compile of the whole model around FSDP's hooks fails in torch's tracer ("Mixing fake modes").
 COMPILED_REFUSAL = (
-    "HybridStrategy compiles each block itself, inside FSDP: pass it the uncompiled model and "
-    "compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
+    "HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): pass it the "
+    "uncompiled model and compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
 )
 
 

@@ -157,5 +157,6 @@ def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_mo
         assert refused["compile"].startswith("ValueError: unknown torch.compile backend 'inductr'; choose one of: ")
         assert "inductor" in refused["compile"]
         assert refused["compiled_model"].startswith(
-            "ValueError: HybridStrategy compiles each block itself, inside FSDP: pass it the uncompiled model and compile=True")
+            "ValueError: HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): "
+            "pass it the uncompiled model and compile=True")
         assert all("\n" not in line for line in refused.values())
