@@ -10,7 +10,9 @@ composes the parallelisms in one order, torchtitan's:
 4. FSDP over the data-parallel axes (``loom.strategies.sharded.shard_model``): ``dp_shard``
    shards parameters, gradients and optimizer state; ``dp`` replicates them (HSDP when both).
 
-Every process of one replica (same ``dp``/``dp_shard`` position) reads the same batch.
+Every process of one replica (same ``dp``/``dp_shard`` position) reads the same batch. Before
+all of it, every process takes rank 0's values, as DDP does, so that the replicas, the layers
+tensor parallelism leaves whole and the shards cut from the others all start from one model.
 """
 
 from __future__ import annotations
@@ -26,12 +28,19 @@ from torch.utils.checkpoint import checkpoint
 
 from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
-from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy
+from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline import EAGER_REFUSAL, PipelineStep, PipelineStrategy
 from loom.strategies.sharded import blocks, shard_model
 from loom.strategies.step import TrainStep
-from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize
+from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize, uncompiled
+
+
+# torch.compile of the whole model around FSDP's hooks fails in torch's tracer ("Mixing fake modes").
+COMPILED_REFUSAL = (
+    "HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): pass it the "
+    "uncompiled model and compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
+)
 
 
 class HybridStrategy(MeshStrategy):
@@ -105,6 +114,8 @@ class HybridStrategy(MeshStrategy):
                 "HybridStrategy with a pp axis builds the optimizer on this stage's parameters once they are sharded: "
                 "pass a factory, prepare(model, lambda params: torch.optim.AdamW(params))"
             )
+        with self._guard():
+            broadcast_states(model, self.device)
         staged = self._pipeline.prepare(model)  # 1. this process keeps its stage; the others' tensors become meta
         with self._guard():
             self._parallelize(model, list(staged.runner.modules.values()))
@@ -115,6 +126,9 @@ class HybridStrategy(MeshStrategy):
         return staged, StrategyOptimizer(optimizer(params), self.precision, self._may_step)
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
+        if uncompiled(module) is not module:
+            raise ValueError(COMPILED_REFUSAL)
+        broadcast_states(module, self.device)
         self._parallelize(module, [module])
         return module
 

@@ -8,18 +8,21 @@ fast links, as torchtitan lays them out. The data-parallel axes (``dp`` and ``dp
 together count the replicas: every rank of one replica reads the same batch.
 
 ``MeshStrategy`` is the base of the strategies that run on one: it joins the job, builds
-torch's ``DeviceMesh`` and combines values over replicas only.
+torch's ``DeviceMesh`` and combines values over replicas only. ``broadcast_states`` gives every
+process rank 0's initial values, as DDP's constructor does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Union
+from typing import Any, Iterator, Mapping, Union
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
 from loom.devices import apply_thread_budget, local_device
@@ -95,6 +98,42 @@ class Mesh:
 
 
 MeshSpec = Union[Mesh, Mapping[str, int]]
+BROADCAST_BUCKET = 2**26  # elements: a model is copied a piece at a time, never whole
+
+
+def broadcast_states(module: nn.Module, device: torch.device) -> None:
+    """Rank 0's parameters and buffers on every process of the job, in place, as DDP's constructor does.
+
+    A script that seeds each rank differently (``torch.manual_seed(seed + rank)``, as nanoGPT
+    does) builds a different model on each: the layers a plan leaves whole, the replicas and
+    the shards cut from them must all start from one model. One broadcast per dtype and
+    bucket (``BROADCAST_BUCKET`` elements, as DDP buckets its own), sent from ``device``
+    (NCCL sends only from the GPU).
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if not tensor.is_meta:  # another pipeline stage's
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    with torch.no_grad():
+        for dtype, tensors in by_dtype.items():
+            for bucket in _buckets(tensors):
+                flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+                comm.broadcast(flat.view(torch.uint8) if dtype == torch.bool else flat, 0)  # gloo has no bool
+                for tensor, value in zip(bucket, flat.split([t.numel() for t in bucket])):
+                    tensor.copy_(value.view_as(tensor))
+
+
+def _buckets(tensors: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        if bucket and size + tensor.numel() > BROADCAST_BUCKET:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += tensor.numel()
+    if bucket:
+        yield bucket
 
 
 class MeshStrategy(Strategy):

@@ -8,6 +8,9 @@ whole model exists only one block at a time. ``shard_model`` applies this to a m
 A model built under ``strategy.scope()`` lives on the meta device until ``prepare``, which
 allocates only this replica's shards and fills them one module at a time (see
 ``materialize``), so no process ever holds the whole model.
+
+Either way the shards are cut from rank 0's values, as DDP starts from rank 0's, so a script
+that seeds each rank differently still trains one model.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
 from loom.compat import BatchNormBase
@@ -34,6 +38,7 @@ from loom.strategies.base import Strategy
 from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.fsdp_comms import use_fast_reduce_scatter
+from loom.strategies.mesh import broadcast_states
 from loom.strategies.precision import DTYPES, Precision
 from loom.strategies.sync_batchnorm import GlooSyncBatchNorm, convert_sync_batchnorm
 
@@ -120,24 +125,27 @@ def _named_classes(module: nn.Module, wrap: Sequence[type[nn.Module]]) -> list[n
     return found
 
 
-def materialize(module: nn.Module, device: torch.device, init: Init | None = None) -> None:
+def materialize(module: nn.Module, device: torch.device, init: Init | None = None, wire: torch.device | None = None) -> None:
     """Give a model built on the meta device (and already sharded) real values, one module at a time.
 
     Each module's own parameters are made full-size on the CPU, filled by its
     ``reset_parameters()`` (in the order the modules were registered, which is the order they
     were built in), then by ``init`` applied to every module as ``model.apply(init)`` would,
-    and this replica keeps its shard of each. Every replica draws the same numbers from the
-    same seed, so the weights equal a model built eagerly on the CPU, and nothing is sent.
+    and each replica gets its shard of rank 0's values (scattered from there: each rank may
+    have been seeded differently), which equal rank 0's model built eagerly on the CPU.
+    ``wire``: the device values are sent from (the job's, where ``device`` is the CPU memory
+    of offloaded shards); default ``device``.
     """
+    wire = wire or device
     module.to_empty(device=device)
     with torch.no_grad():
         for sub in module.modules():
             reset = getattr(sub, "reset_parameters", None)
             if callable(reset):
-                _fill(sub, reset, gather=False)  # what to_empty left is no value to keep
+                _fill(sub, reset, gather=False, wire=wire)  # what to_empty left is no value to keep
         if init is not None:
             for sub in _post_order(module):
-                _fill(sub, lambda sub=sub: init(sub), gather=True)
+                _fill(sub, lambda sub=sub: init(sub), gather=True, wire=wire)
 
 
 def check_initialisable(module: nn.Module, init: Init | None) -> None:
@@ -158,7 +166,7 @@ def _post_order(module: nn.Module) -> Iterator[nn.Module]:
     yield module
 
 
-def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
+def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool, wire: torch.device) -> None:
     """Run ``fill`` on full-size CPU stand-ins of ``module``'s own tensors, then keep this replica's shard of each.
 
     ``gather``: the stand-ins start from the current values, gathered, so that a fill that
@@ -180,10 +188,10 @@ def _fill(module: nn.Module, fill: Callable[[], Any], gather: bool) -> None:
     for name, tensor in own.items():
         full = standins[name]
         if isinstance(tensor, DTensor):
-            full = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+            full = distribute_tensor(full.to(wire), tensor.device_mesh, tensor.placements, src_data_rank=0).to_local()
             tensor.to_local().copy_(full)
-        else:
-            tensor.copy_(full)
+        else:  # a buffer, which FSDP does not shard
+            tensor.copy_(comm.broadcast(full.to(wire), 0))
 
 
 def _onto_shards(optimizer: torch.optim.Optimizer, names: dict[int, str], sharded: dict[str, nn.Parameter]) -> None:
@@ -328,12 +336,14 @@ class ShardedStrategy(Strategy):
             if on_meta:
                 check_initialisable(model, self._init)
             with self._guard():
+                if not on_meta:
+                    broadcast_states(model, self._device)  # the shards are cut from rank 0's model
                 shard_model(
                     model, self._mesh, wrap=self.wrap, reshard_after_forward=self.reshard_after_forward,
                     mp_policy=self.mp_policy, offload=self.offload,
                 )  # fmt: skip
                 if on_meta:
-                    materialize(model, torch.device("cpu") if self.offload else self._device, self._init)
+                    materialize(model, torch.device("cpu") if self.offload else self._device, self._init, self._device)
             self._sharded.add(model)
             if isinstance(optimizer, torch.optim.Optimizer):
                 _onto_shards(optimizer, names, dict(model.named_parameters()))

@@ -9,6 +9,11 @@ the loss sees them whole. Layers the plan does not name stay whole on every proc
 Every process of the tensor-parallel group reads the same batch, so one group is one
 replica. Equal to one device up to float reassociation: a row-wise layer adds its partial
 sums in another order than one matmul does (about 1e-7 relative in fp32).
+
+At ``prepare`` every process takes rank 0's values, so a script that seeds each rank
+differently still trains one model. A weight tied between two layers (a GPT's embedding
+and output layer) stays one weight: both sides are split alike or both stay whole. A model
+compiled before ``prepare`` is split under its own layer names.
 """
 
 from __future__ import annotations
@@ -19,11 +24,12 @@ from typing import Iterator, Mapping, Union
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from loom.compat import compiled_module_type
 from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.mesh import MeshStrategy
+from loom.strategies.mesh import MeshStrategy, broadcast_states
 
 # The styles a plan names. "output" is column-wise with its outputs gathered (a model's last
 # layer, whose logits the loss needs whole); "embedding" splits an nn.Embedding's rows.
@@ -54,6 +60,9 @@ class TensorParallelStrategy(MeshStrategy):
 
     The model must not hard-code sizes that the split divides: attention must reshape to
     ``(batch, time, -1, head_dim)``, as each process holds ``heads / degree`` heads.
+    ``torch.compile`` works before or after ``prepare``; where the sequence length changes
+    between calls, pass it ``dynamic=False``: torch's tracer fails on a split layer whose input
+    has a symbolic length (torch 2.13, a RecursionError in the backward's trace).
     """
 
     def __init__(
@@ -68,7 +77,9 @@ class TensorParallelStrategy(MeshStrategy):
         self.plan = plan
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
-        return tensor_parallelize(module, self.device_mesh, self.plan)
+        broadcast_states(module, self.device)  # the layers the plan leaves whole start equal on every process
+        tensor_parallelize(uncompiled(module), self.device_mesh, self.plan)
+        return module
 
     def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         return clip_grad_norm(params, max_norm, norm_type)
@@ -79,7 +90,44 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan | None = 
     if mesh.ndim > 1:
         mesh = mesh["tp"]
     plan = default_plan(module, mesh.size()) if plan is None else plan
-    return parallelize_module(module, mesh, resolve_plan(module, plan))
+    ties = tied_weights(module)
+    parallelize_module(module, mesh, resolve_plan(module, plan))
+    _tie_again(module, ties)
+    return module
+
+
+def uncompiled(module: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped (compilation happens at the first call, so after the split)."""
+    compiled = compiled_module_type()
+    return module._orig_mod if compiled is not None and isinstance(module, compiled) else module
+
+
+def tied_weights(module: nn.Module) -> list[list[str]]:
+    """The full names of each parameter that several modules share (a GPT's ``embed.weight`` and ``head.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def _tie_again(module: nn.Module, ties: list[list[str]]) -> None:
+    """Share each tied parameter again after ``parallelize_module`` gave each side its own; refuse sides split unlike."""
+    for names in ties:
+        params = [module.get_parameter(name) for name in names]
+        layouts = [tuple(p.placements) if isinstance(p, DTensor) else "whole" for p in params]
+        if len(set(layouts)) > 1:
+            sides = " and ".join(f"{name} ({_layout(layout)})" for name, layout in zip(names, layouts))
+            raise ValueError(
+                f"the tensor-parallel plan splits the tied weights {sides} unlike, which would untie them: split both "
+                "sides alike (an embedding as 'embedding' with its output layer as 'output') or leave both out of the plan"
+            )
+        for name in names[1:]:
+            owner, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(owner), attribute, params[0])
+
+
+def _layout(layout: Union[str, tuple]) -> str:
+    return layout if isinstance(layout, str) else ", ".join(f"split on dim {p.dim}" if isinstance(p, Shard) else str(p) for p in layout)
 
 
 def resolve_plan(module: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
@@ -100,8 +148,41 @@ def resolve_plan(module: nn.Module, plan: Plan) -> dict[str, ParallelStyle]:
             styles[name] = STYLES[style]()
         else:
             raise ValueError(f"unknown tensor-parallel style {style!r} for {name!r}; choose one of: {', '.join(STYLES)}")
-    check_pairs(module, {n: style for pattern, style in plan.items() for n in layers if n == pattern or fnmatch(n, pattern)})
+    named = {n: style for pattern, style in plan.items() for n in layers if n == pattern or fnmatch(n, pattern)}
+    check_partners(module, named)
+    check_pairs(module, named)
     return styles
+
+
+def check_partners(module: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> None:
+    """Refuse a column-wise layer with no row-wise layer after it, or a row-wise one with no column-wise before it.
+
+    A column-wise layer's output stays split over the processes: only a row-wise layer takes
+    it (a pair), and anything else would get a slice of the features and fail deep in torch
+    with a shape error. "After" is ``named_modules()`` order, the order most models build
+    their layers in. ``plan`` names modules (no patterns).
+    """
+    open_cols: list[str] = []
+    for name, _ in module.named_modules():
+        style = plan.get(name)
+        if isinstance(style, ParallelStyle) and not getattr(style, "use_local_output", True):
+            continue  # its output stays a DTensor that knows its layout (torch's loss_parallel takes one)
+        side = _side(style)
+        if side == "colwise":
+            open_cols.append(name)
+        elif side == "rowwise" and not open_cols:
+            raise ValueError(
+                f"the tensor-parallel plan splits {name} row-wise, but no column-wise layer before it gives it a split "
+                f"input: add the column-wise side of its pair to the plan, or leave {name} out of it"
+            )
+        elif side == "rowwise":
+            open_cols = []
+    if open_cols:
+        raise ValueError(
+            f"the tensor-parallel plan splits {open_cols[0]} column-wise, but no row-wise layer after it takes its split "
+            f"output, so the next layer would get a slice of its features: add the row-wise side of the pair, or make "
+            f"{open_cols[0]} 'output' to gather its output whole"
+        )
 
 
 def check_pairs(module: nn.Module, plan: Mapping[str, Union[str, ParallelStyle]]) -> None:
@@ -170,7 +251,8 @@ def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
     A pair is a module's column-side children (``q``/``k``/``v``, ``fc``, ``w1``/``w3``, ...)
     with its one row-side child (``proj``, ``o_proj``, ``w2``, ...), or two Linear layers of an
     ``nn.Sequential`` with only element-wise layers between them. Layers whose split size
-    ``degree`` does not divide, and pairs with a norm between their sides, stay whole.
+    ``degree`` does not divide, pairs with a norm between their sides, and both sides of a
+    tied weight that would be split unlike, stay whole.
     """
     plan: dict[str, str] = {}
     for prefix, parent in module.named_modules():
@@ -190,12 +272,26 @@ def default_plan(module: nn.Module, degree: int) -> dict[str, str]:
             plan[name] = "embedding"
         elif isinstance(child, nn.Linear) and name in OUTPUT_NAMES and child.out_features % degree == 0:
             plan[name] = "output"
+    for names in tied_weights(module):
+        if len({_weight_split(module, name, plan) for name in names}) > 1:
+            for name in names:  # split unlike, the tied weight would become two: both sides stay whole
+                plan.pop(name.rpartition(".")[0], None)
     if not plan:
         raise ValueError(
             f"found no layers of {type(module).__name__} to split over {degree} processes (Linear pairs named like "
             "attn.q/k/v/proj and mlp.fc/proj, or nn.Sequential Linear pairs): pass plan={'layer': 'colwise', ...}"
         )
     return plan
+
+
+def _weight_split(module: nn.Module, name: str, plan: Mapping[str, str]) -> object:
+    """How ``plan`` splits the parameter ``name``: the dimension of a weight, else the owner's style (None: whole)."""
+    owner, _, attribute = name.rpartition(".")
+    style = plan.get(owner)
+    if style is None or attribute != "weight":
+        return style
+    dim = 0 if style in ("colwise", "output") else 1  # a Linear's weight is (out, in); an Embedding's (rows, width)
+    return 1 - dim if isinstance(module.get_submodule(owner), nn.Embedding) else dim
 
 
 def _sequential_pairs(seq: nn.Sequential, at: str, degree: int, plan: dict[str, str]) -> None:

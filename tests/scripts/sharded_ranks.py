@@ -12,9 +12,11 @@ from torch.distributed.tensor import DTensor
 
 import loom
 from examples.gpt_model import GPT, GPTConfig, next_byte_loss, splits
+from tests.scripts.tp_gpt import TiedGPT
 
 CONFIG = GPTConfig(context=16, width=32, heads=2, layers=2)
 GLOBAL_BATCH, STEPS, MAX_NORM = 8, 10, 0.5
+TIED_STEPS = 3
 
 
 def gpt_data() -> Any:
@@ -51,7 +53,7 @@ def two_ranks(directory: Path) -> dict[str, Any]:
     """Every finding of the two-process job, each gathered whole."""
     found: dict[str, Any] = {}
     strategy = loom.ShardedStrategy(timeout=60)
-    torch.manual_seed(0)
+    torch.manual_seed(strategy.replica_id)  # seeded per rank, as nanoGPT does: the shards are cut from rank 0's model
     model, opt, norms = train_gpt(strategy, GPT(CONFIG))
     found["weights"], found["norms"] = full(model.state_dict()), norms
     found["units"] = sum(isinstance(m, torch.distributed.fsdp.FSDPModule) for m in model.modules())
@@ -66,13 +68,17 @@ def two_ranks(directory: Path) -> dict[str, Any]:
     found["restored"] = full(fresh.state_dict())
     found["restored_exp_avg"] = full({str(i): s["exp_avg"] for i, s in enumerate(fresh_opt.state.values())})
 
-    torch.manual_seed(0)
+    torch.manual_seed(strategy.replica_id)
     with strategy.scope(init=GPT._init):
         lazy = GPT(CONFIG)
     found["built_on_meta"] = all(p.is_meta for p in lazy.parameters())
     strategy.prepare(lazy)
     found["scope_weights"] = full(lazy.state_dict())
     found["scope_local_params"] = sum(p.to_local().numel() for p in lazy.parameters())
+
+    torch.manual_seed(0)
+    tied, _, _ = _steps(strategy, *strategy.prepare(TiedGPT(CONFIG), adamw), steps=TIED_STEPS)
+    found["tied"], found["still_tied"] = full(tied.state_dict()), tied.head.weight is tied.embed.weight
 
     found["fp16_overflow"] = _overflow_on_one_rank(strategy)
     found["options"] = _options()

@@ -11,6 +11,7 @@ import sys
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import loom
@@ -40,16 +41,34 @@ def merged(ranks: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict[str, Any]:
-    """``save_to``: a directory the trained model and optimizer are saved in, at the end."""
+class TiedGPT(GPT):
+    """The GPT with its output layer's weight tied to the input embedding, as GPT-2 and nanoGPT have it."""
+
+    def __init__(self, config: GPTConfig = CONFIG) -> None:
+        super().__init__(config)
+        self.head.weight = self.embed.weight
+
+
+def train(
+    make: Callable[[], loom.Strategy], save_to: str | None = None, *, seed_by_rank: bool = False,
+    build: Callable[[GPTConfig], GPT] = GPT, compile: str | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """``save_to``: a directory the trained model and optimizer are saved in, at the end.
+
+    ``seed_by_rank``: each process seeds ``torch.manual_seed(rank)`` before building the model,
+    as nanoGPT does; OneDevice's run (seed 0) is rank 0's. ``compile``: "before" or "after"
+    ``prepare``, with the aot_eager backend (traced and differentiated, no code generated).
+    """
     strategy = make()
-    torch.manual_seed(0)
-    gpt = GPT(CONFIG)
+    torch.manual_seed(dist.get_rank() if seed_by_rank and dist.is_initialized() else 0)
+    gpt = build(CONFIG)
     # The MLP's forward calls (activation checkpointing starts them again in backward), in a tensor:
     # torch.compile would guard on a list's length and compile again at every call.
     calls = torch.zeros((), dtype=torch.long)
     gpt.blocks[-1].mlp.register_forward_pre_hook(counter(calls))
-    model, opt = strategy.prepare(gpt, adamw)
+    model, opt = strategy.prepare(torch.compile(gpt, backend="aot_eager") if compile == "before" else gpt, adamw)
+    if compile == "after":
+        model = torch.compile(model, backend="aot_eager")
     step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=MAX_NORM)
     train_set, _ = splits(CONFIG.context, max_bytes=CONFIG.context * (GLOBAL_BATCH * (STEPS - 1) + LAST_BATCH) + 1, val_fraction=0.0)
     norms, losses = [], []
@@ -60,8 +79,9 @@ def train(make: Callable[[], loom.Strategy], save_to: str | None = None) -> dict
         strategy.save(save_to, step=STEPS, model=model, optimizer=opt)
     local = {n: tuple(p.to_local().shape) for n, p in loom.unwrap(model).named_parameters() if isinstance(p, DTensor)}
     weights = {k: whole(v) for k, v in loom.unwrap(model).state_dict().items() if not v.is_meta}  # a pipeline stage: its own
+    user = loom.unwrap(model)
     return {"weights": weights, "norms": norms, "losses": losses, "local_shapes": local, "replicas": strategy.num_replicas_in_sync,
-            "mlp_calls": int(calls), "compiled_graphs": compiled_graphs()}
+            "mlp_calls": int(calls), "compiled_graphs": compiled_graphs(), "tied": user.head.weight is user.embed.weight}
 
 
 def counter(calls: torch.Tensor) -> Callable[..., None]:

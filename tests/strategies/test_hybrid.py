@@ -27,16 +27,28 @@ MESHES = {
 # of this GPT with a cold cache, more than the suite can spend. aot_eager runs the same tracing and
 # ahead-of-time autograd through the stages and FSDP, without generating code.
 COMPILE = "aot_eager"
+TIED_MESH = {"dp": 2, "tp": 2}  # replicas that FSDP replicates, each splitting a tied embedding and head
 
 
 def _job(directory: str) -> dict:
+    """Every run seeds each process differently, as nanoGPT does: all must start from rank 0's model."""
     results = {}
     for name, mesh in MESHES.items():
         make = lambda mesh=mesh, name=name: loom.HybridStrategy(  # noqa: E731
             mesh=mesh, activation_checkpointing=name == "fsdp_x_tp", compile=COMPILE if name == "pp_x_fsdp" else False, timeout=60)
-        results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None)
+        results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None, seed_by_rank=True)
+    results["tied"] = tp_gpt.train(lambda: loom.HybridStrategy(mesh=TIED_MESH, timeout=60), build=tp_gpt.TiedGPT, seed_by_rank=True)
+    results["hsdp_initial"] = _hsdp_initial()
     results["refused"] = _refusals()
     return results
+
+
+def _hsdp_initial() -> dict[str, torch.Tensor]:
+    """HSDP's model right after prepare, each rank seeded differently: replicas and shards alike are rank 0's."""
+    strategy = loom.HybridStrategy(mesh={"dp": 2, "dp_shard": 2}, timeout=60)
+    torch.manual_seed(strategy.cluster.rank)
+    model = strategy.prepare(GPT(tp_gpt.CONFIG))
+    return {k: tp_gpt.whole(v) for k, v in loom.unwrap(model).state_dict().items()}
 
 
 def _refusals() -> dict[str, str]:
@@ -48,6 +60,7 @@ def _refusals() -> dict[str, str]:
         "optimizer": lambda: strategy.prepare(gpt, torch.optim.SGD(gpt.parameters(), lr=0.1)),
         "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
         "compile": lambda: loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], compile="inductr"),
+        "compiled_model": lambda: loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(torch.compile(GPT(tp_gpt.CONFIG))),
     }.items():
         try:
             attempt()
@@ -76,6 +89,25 @@ def test_ten_adamw_steps_equal_one_device_on_the_global_batch(runs, mesh):
     assert max((weights[k] - untrained[k]).abs().max().item() for k in weights) > 1e-3, "training moved the weights"
     for rank in got:  # every process clipped with the whole model's norm, all stages and shards together
         assert rank["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_tied_embedding_and_head_stay_tied_over_tp_and_train_as_on_one_device(runs):
+    ranks, _, _ = runs
+    reference = tp_gpt.train(loom.OneDeviceStrategy, build=tp_gpt.TiedGPT)
+    for rank in ranks:
+        tied = rank["tied"]
+        assert tied["tied"] and tied["replicas"] == 2
+        assert tied["local_shapes"]["embed.weight"] == (tp_gpt.CONFIG.vocab // 2, tp_gpt.CONFIG.width)
+        assert max((tied["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items()) <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_replicas_and_shards_start_from_rank_0s_model(runs):
+    torch.manual_seed(0)
+    initial = GPT(tp_gpt.CONFIG).state_dict()
+    for rank in runs[0]:
+        assert max((rank["hsdp_initial"][k] - v).abs().max().item() for k, v in initial.items()) == 0.0
 
 
 @pytest.mark.timeout(300)
@@ -116,7 +148,7 @@ def test_a_pipeline_of_shards_checkpoint_restores_on_one_device(runs):
 
 
 @pytest.mark.timeout(300)
-def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_one_line(runs):
+def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_model_are_refused_in_one_line(runs):
     for rank in runs[0]:
         refused = rank["refused"]
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
@@ -124,4 +156,7 @@ def test_with_a_pp_axis_the_eager_loop_and_an_optimizer_object_are_refused_in_on
         assert refused["fast_path"].startswith("ValueError: HybridStrategy does not take prepare(fast_path=...): each process holds only part")
         assert refused["compile"].startswith("ValueError: unknown torch.compile backend 'inductr'; choose one of: ")
         assert "inductor" in refused["compile"]
+        assert refused["compiled_model"].startswith(
+            "ValueError: HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): "
+            "pass it the uncompiled model and compile=True")
         assert all("\n" not in line for line in refused.values())

@@ -19,7 +19,8 @@ import loom
 from examples.gpt_model import GPT
 from tests.helpers import run_ranks
 from tests.scripts import sharded_ranks
-from tests.scripts.sharded_ranks import CONFIG, STEPS, adamw, train_gpt
+from tests.scripts.sharded_ranks import CONFIG, STEPS, TIED_STEPS, _steps, adamw, train_gpt
+from tests.scripts.tp_gpt import TiedGPT
 
 pytestmark = pytest.mark.xdist_group("sharded")  # its tests share one launched job: one test process runs them all
 
@@ -43,7 +44,10 @@ def one_device(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model, opt, norms = train_gpt(strategy, GPT(CONFIG))
     strategy.save(directory / "one_device", step=STEPS, model=model, optimizer=opt)
     exp_avg = {str(i): s["exp_avg"].clone() for i, s in enumerate(opt.state.values())}
-    return {"dir": directory, "weights": model.state_dict(), "norms": norms, "initial": initial, "exp_avg": exp_avg}
+    torch.manual_seed(0)
+    tied, _, _ = _steps(strategy, *strategy.prepare(TiedGPT(CONFIG), adamw), steps=TIED_STEPS)
+    return {"dir": directory, "weights": model.state_dict(), "norms": norms, "initial": initial, "exp_avg": exp_avg,
+            "tied": tied.state_dict()}  # fmt: skip
 
 
 class Uneven(nn.Module):
@@ -115,9 +119,16 @@ def sharded(one_device: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_ten_adamw_steps_of_the_gpt_equal_one_device(sharded, one_device):
+    """Each rank seeded the model differently: the shards are cut from rank 0's, which OneDevice trains."""
     assert max_difference(one_device["weights"], one_device["initial"]) > 1e-3  # equality is not "nothing moved"
     for replica in sharded:
         assert max_difference(replica["weights"], one_device["weights"]) <= TOLERANCE
+
+
+def test_a_tied_embedding_and_head_stay_one_weight_and_train_as_on_one_device(sharded, one_device):
+    for replica in sharded:
+        assert replica["still_tied"]
+        assert max_difference(replica["tied"], one_device["tied"]) <= TOLERANCE
 
 
 def test_on_gloo_gradients_are_reduce_scattered_by_all_to_all_and_equal_one_device_s_with_padding(sharded):
@@ -154,6 +165,7 @@ def test_wrap_reshard_and_an_optimizer_built_before_prepare_do_what_they_say(sha
 
 
 def test_a_model_built_under_scope_starts_on_meta_and_gets_one_device_s_initial_weights(sharded, one_device):
+    """Seeded per rank too: each replica's shards are rank 0's draws, which OneDevice's seed 0 makes."""
     for replica in sharded:
         assert replica["built_on_meta"]
         assert replica["scope_local_params"] < 0.51 * replica["total_params"]
