@@ -57,7 +57,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """nanoGPT's layout; ``output_object`` returns an ``Output`` instead of a tuple."""
 
-    def __init__(self, output_object: bool = False) -> None:
+    def __init__(self, output_object: bool = False, tied: bool = True) -> None:
         super().__init__()
         self.output_object = output_object
         self.transformer = nn.ModuleDict(
@@ -69,7 +69,8 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT and GPT-2 do
+        if tied:  # as nanoGPT and GPT-2 do
+            self.transformer.wte.weight = self.lm_head.weight
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         positions = torch.arange(idx.shape[1], device=idx.device)
