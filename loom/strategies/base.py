@@ -166,6 +166,9 @@ class Strategy(ABC):
         (once per update) and ``zero_grad``. ``accumulate=k`` runs each batch as k
         micro-batches with one sync; it equals the whole batch at once. The loss comes back
         detached, without a device sync; ``step.outputs`` holds the batch's outputs.
+        ``loss_fn=None`` is for a model that computes its own loss: the step calls
+        ``model(inputs, targets)`` and takes the loss from what it returns (the rules are in
+        ``loom.strategies.step``).
         """
         return TrainStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
 

@@ -325,6 +325,8 @@ class PipelineModule(AutocastModule):
 class PipelineStep(TrainStep):
     """``loss = step(inputs, targets)``: the schedule's forward and backward, then the usual update."""
 
+    passes_targets = False  # the stages run the model's layers, never its forward(targets)
+
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         strategy: PipelineStrategy = self.strategy  # type: ignore[assignment]
         runner: PipelineRunner = self.model.runner  # type: ignore[union-attr]

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loom.strategies.optimizer import inner_optimizer
+from loom.strategies.outputs import call_with_targets, map_outputs, model_loss
 from loom.strategies.step import LossFn, TrainStep, batch_len
 from loom.strategies.xla.export import export_requested, export_step
 from loom.strategies.xla.optim import GroupRule, group_hypers, group_rules, update
 from loom.strategies.xla.runtime import environment
 from loom.strategies.xla.state import DeviceState, to_torch
-from loom.strategies.xla.tree import map_tensors
 
 if TYPE_CHECKING:
     from loom.strategies.xla.strategy import TPUStrategy
@@ -176,13 +176,17 @@ class _StepBody:
         with env.override_property(prng=key, autocast_dtype=self.autocast), env:
             tp, tf, tb, tx, ty = env.j2t_iso((params, frozen, buffers, x, y))
             self.state.tracing = True
+            weights = {**tp, **tf, **tb}
             try:
-                out = torch.func.functional_call(self.module, {**tp, **tf, **tb}, (tx,))
+                if self.loss_fn is None:  # the model computes its own loss from the targets
+                    out = call_with_targets(lambda *a, **kw: torch.func.functional_call(self.module, weights, a, kw), tx, ty)
+                else:
+                    out = torch.func.functional_call(self.module, weights, (tx,))
             finally:
                 self.state.tracing = False
             if self.autocast is not None:
-                out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
-            loss = self.loss_fn(out, ty)
+                out = map_outputs(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+            loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, ty)
             new_buffers = {name: t.jax() for name, t in tb.items()}
             return loss.jax() * weight, (env.t2j_iso(out), new_buffers)
 
