@@ -58,6 +58,27 @@ def compare(make: Callable[..., loom.Strategy], *args: Any, **kwargs: Any) -> di
     return {"xla": {k: v for k, v in xla.items() if k != "step"}, "one": {k: v for k, v in one.items() if k != "step"}, "step": xla["step"]}
 
 
+class OwnLoss(nn.Module):
+    """nanoGPT's shape: ``forward(x, targets)`` returns ``(logits, loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        logits = self.net(x)
+        return logits, None if targets is None else F.cross_entropy(logits, targets)
+
+
+def own_loss_weights(strategy: loom.Strategy) -> dict[str, torch.Tensor]:
+    """The model's own loss through ``train_step(model, None, opt)``."""
+    net, opt = strategy.prepare(OwnLoss(), sgd)
+    step = strategy.train_step(net, None, opt)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
+    return weights(net)
+
+
 def padded(dataset: TensorDataset, devices: int) -> TensorDataset:
     """loom's uneven-last-batch policy written out: the last batch's first samples repeated."""
     x, y = dataset.tensors
@@ -119,6 +140,21 @@ def main() -> None:
     copy = getattr(x, "_loom_xla_copy")
     out["feed"] = {"spec": str(copy.sharding.spec), "devices": len(copy.sharding.device_set), "position": loader.state_dict()["batch"]}
     feed.close()
+
+    # parameters() after steps: the trained values, read before anything else brought them back
+    strategy = loom.TPUStrategy()
+    net, opt = strategy.prepare(mlp(), sgd)
+    step = strategy.train_step(net, F.cross_entropy, opt)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
+    out["parameters_read"] = {n: p.detach().clone() for n, p in zip(dict(mlp().named_parameters()), net.parameters())}
+
+    # a model that computes its own loss; accumulate() has no eager loop to count here
+    out["own_loss"] = {"xla": own_loss_weights(loom.TPUStrategy()), "one": own_loss_weights(loom.OneDeviceStrategy())}
+    try:
+        tpu.accumulate(2)
+    except RuntimeError as error:
+        out["accumulate_error"] = str(error)
 
     # no eager backward
     try:

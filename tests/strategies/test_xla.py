@@ -113,6 +113,22 @@ def test_eager_backward_points_to_train_step(job):
     assert "train_step" in got["backward_error"] and "\n" not in got["backward_error"]
 
 
+def test_parameters_read_after_steps_are_the_trained_ones(job):
+    _, got = job
+    assert difference(got["parameters_read"], got["mlp_sgd"]["one"]["weights"]) <= TOLERANCE
+
+
+def test_a_model_computing_its_own_loss_trains_as_on_one_device(job):
+    _, got = job
+    assert difference(got["own_loss"]["xla"], got["own_loss"]["one"]) <= TOLERANCE
+
+
+def test_accumulate_is_refused_when_called(job):
+    _, got = job
+    assert got.get("accumulate_error", "").startswith("TPUStrategy has no eager loop for accumulate() to count: pass accumulate=k")
+    assert "\n" not in got["accumulate_error"]
+
+
 def test_the_fast_path_is_refused_in_one_line(job):
     _, got = job
     assert got.get("fast_path_error", "").startswith("TPUStrategy does not take prepare(fast_path=...): XLA compiles every step already")
