@@ -125,6 +125,10 @@ class PipelineStrategy(Strategy):
         return comm.rank() == 0
 
     @property
+    def model_parallel_degrees(self) -> dict[str, int]:
+        return {"pipeline stage": self.stages}
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
