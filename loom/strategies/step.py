@@ -12,7 +12,7 @@ its signature and meaning:
   targets)`` (``model(inputs)`` when ``targets`` is None, ``model(**inputs)`` for a dict of
   inputs, labels included, as Hugging Face's models take them) and reads the loss from what
   it returns (``outputs.model_loss``: a scalar tensor, a tuple's one scalar tensor such as
-  nanoGPT's ``(logits, loss)``, or a dict's/object's ``"loss"``);
+  nanoGPT's ``(logits, loss)``, or a dict's or object's ``loss``);
 - with a ``loss_fn``, ``targets`` may be None for a loss that needs none (``loss_fn(outputs, None)``);
 - fp16 losses are scaled, and the gradients unscaled once, before clipping;
 - ``max_grad_norm`` clips the norm of the gradients after they are synchronised;
