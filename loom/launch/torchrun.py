@@ -182,4 +182,6 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
         name = signal.Signals(stop.sigval).name
         print(f"loom: stopped by {name}; workers terminated", file=sys.stderr, flush=True)
         return 128 + stop.sigval
+    finally:
+        os.environ.pop(LAYOUT_ENV, None)  # the workers' first line: code after loom.launch() is not one of them
     return 0
