@@ -20,7 +20,7 @@ import torch
 import loom
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.optim import group_rules
-from tests.contract.cases import mlp, save_reference, sgd
+from tests.contract.cases import GLOBAL_BATCH, mlp, save_reference, sgd
 from tests.helpers import ROOT, SCRIPTS, job_env
 
 pytestmark = pytest.mark.xdist_group("xla")
@@ -121,6 +121,11 @@ def test_parameters_read_after_steps_are_the_trained_ones(job):
 def test_a_model_computing_its_own_loss_trains_as_on_one_device(job):
     _, got = job
     assert difference(got["own_loss"]["xla"], got["own_loss"]["one"]) <= TOLERANCE
+
+
+def test_an_output_object_keeps_its_class(job):
+    _, got = job
+    assert got["own_loss_object"] == ("Output", (GLOBAL_BATCH, 2))
 
 
 def test_accumulate_is_refused_when_called(job):
