@@ -128,6 +128,10 @@ class PipelineStrategy(Strategy):
         return comm.rank() == 0
 
     @property
+    def model_parallel_degrees(self) -> dict[str, int]:
+        return {"pipeline stage": self.stages}
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
@@ -335,6 +339,8 @@ class PipelineModule(AutocastModule):
 
 class PipelineStep(TrainStep):
     """``loss = step(inputs, targets)``: the schedule's forward and backward, then the usual update."""
+
+    passes_targets = False  # the stages run the model's layers, never its forward(targets)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         strategy: PipelineStrategy = self.strategy  # type: ignore[assignment]
