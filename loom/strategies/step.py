@@ -40,8 +40,6 @@ LossFn = Optional[Callable[[Any, Any], torch.Tensor]]  # None: the model compute
 class TrainStep:
     """``loss = step(inputs, targets)``: forward, loss, backward, sync, unscale, clip, update, schedule, zero_grad."""
 
-    passes_targets = True  # whether the model's own forward runs, so it can take the targets (loss_fn=None)
-
     def __init__(
         self,
         strategy: Strategy,
@@ -58,11 +56,6 @@ class TrainStep:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         if max_grad_norm is not None:  # a strategy that cannot clip says so now, not after the first backward
             strategy._clip_grad_norm([], max_grad_norm)
-        if loss_fn is None and not self.passes_targets:
-            raise ValueError(
-                f"{type(strategy).__name__} runs the model's layers, not its forward(), so a model cannot compute its "
-                "own loss there: pass train_step a loss_fn(outputs, targets) computed from the last layer's outputs"
-            )
         if loss_fn is not None and not callable(loss_fn):
             raise TypeError(f"loss_fn must be a function (outputs, targets) -> loss, or None for a model that computes its own, not {type(loss_fn).__name__}")
         if scheduler is not None and not hasattr(scheduler, "step"):

@@ -14,7 +14,6 @@ from torch.utils.data import TensorDataset
 
 import loom
 from loom.strategies.outputs import model_loss
-from loom.strategies.pipeline import PipelineStep
 from tests.helpers import run_ranks
 
 
@@ -154,14 +153,6 @@ def test_dict_inputs_go_in_as_keywords_and_targets_then_belong_in_them():
     assert loss.dim() == 0 and isinstance(step.outputs, ModelOutput)
     with pytest.raises(ValueError, match=r"a dict of inputs is passed as model\(\*\*inputs\): put the targets in it"):
         step({"input_ids": x}, y)
-
-
-def test_the_pipeline_refuses_a_model_loss_in_one_line():
-    """Its stages run the model's layers, never the forward that would compute the loss."""
-    net = nn.Linear(2, 2)
-    with pytest.raises(ValueError) as error:
-        PipelineStep(loom.OneDeviceStrategy(), net, None, torch.optim.SGD(net.parameters(), lr=0.1))
-    assert str(error.value).startswith("OneDeviceStrategy runs the model's layers, not its forward(), so a model cannot compute its own loss there")
 
 
 @pytest.mark.parametrize("kind", ["model_output", "attr_dict", "dataclass", "namedtuple"])
