@@ -114,7 +114,7 @@ class Logits:
     loss: Any = None
 
 
-Pair = namedtuple("Pair", ["logits", "loss"])
+Pair = namedtuple("Pair", ["logits", "loss"], defaults=[None])
 OUTPUTS = {"model_output": ModelOutput, "dataclass": Logits, "namedtuple": Pair}
 
 
