@@ -259,7 +259,8 @@ class ScheduledStage(nn.Module):
     def forward(self, *args: Any) -> Any:
         if self.targets is not None:  # shape inference runs on the first micro-batch, then the schedule runs them in order
             args = (*args, self.targets[0 if self.inferring else self.calls])
-            self.calls += not self.inferring
+            if not self.inferring:
+                self.calls += 1
         if self.inferring:
             self.inferring = False
             from torch.func import functional_call  # torch.func imports functorch: only where a stage runs
