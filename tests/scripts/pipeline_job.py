@@ -8,7 +8,7 @@ DIR/results-<rank>.pt; the pipeline's checkpoint to DIR/pipeline.
 
 import argparse
 import dataclasses
-from collections import OrderedDict, namedtuple
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -87,16 +87,15 @@ class Transformer(nn.Module):
 
 
 class OwnLossGPT(nn.Module):
-    """``forward(idx, targets)`` computes the loss, as language models do; the output is a ``ModelOutput``
-    (or ``kind``: a dataclass, a namedtuple); ``transformer`` holds tensors of its own, used before the blocks."""
+    """``forward(idx, targets)`` computes the loss, as language models do, into a ``ModelOutput``;
+    ``transformer`` holds tensors of its own, used before the blocks."""
 
-    def __init__(self, kind: str = "model_output") -> None:
+    def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         reference = GPT(CONFIG)
         self.transformer = Transformer(reference)
         self.lm_head = reference.head
-        self.kind = kind
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
         t = self.transformer
@@ -105,17 +104,7 @@ class OwnLossGPT(nn.Module):
             x = block(x)
         logits = self.lm_head(t.ln_f(x))
         loss = next_byte_loss(logits, targets) if targets is not None else None
-        return OUTPUTS[self.kind](logits=logits, loss=loss)
-
-
-@dataclasses.dataclass
-class Logits:
-    logits: torch.Tensor
-    loss: Any = None
-
-
-Pair = namedtuple("Pair", ["logits", "loss"], defaults=[None])
-OUTPUTS = {"model_output": ModelOutput, "dataclass": Logits, "namedtuple": Pair}
+        return ModelOutput(logits=logits, loss=loss)
 
 
 def logits_loss(out, targets):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import time
+from collections import namedtuple
 from contextlib import nullcontext
 from pathlib import Path
 from types import SimpleNamespace
@@ -346,6 +348,15 @@ def test_a_models_output_class_its_own_tensors_and_its_own_loss_train_as_one_dev
             assert got["inferred"] == ("ModelOutput", torch.Size([3, 8, 256]))
 
 
+@dataclasses.dataclass
+class Logits:
+    logits: torch.Tensor
+
+
+Pair = namedtuple("Pair", ["logits"])
+OUTPUTS = {"model_output": pipeline_job.ModelOutput, "dataclass": Logits, "namedtuple": Pair}
+
+
 class Classed(NanoGPT):
     """nanoGPT's layout, its logits in an output of class ``kind``."""
 
@@ -354,7 +365,7 @@ class Classed(NanoGPT):
         self.kind = kind
 
     def forward(self, idx: torch.Tensor) -> Any:
-        return pipeline_job.OUTPUTS[self.kind](logits=super().forward(idx)[0])
+        return OUTPUTS[self.kind](logits=super().forward(idx)[0])
 
 
 @pytest.mark.parametrize("kind", ["model_output", "dataclass", "namedtuple"])
