@@ -17,6 +17,7 @@ from loom.comm.process_group import default_backend, resolve_timeout
 from loom.devices import available_cores, cuda_count
 from loom.errors import LaunchError, LoomError
 from loom.launch.parameter_server import JobOptions, run_parameter_server_job, run_parameter_server_task
+from loom.launch.shadow import check_not_shadowed
 from loom.launch.torchrun import LaunchOptions, run_job
 from loom.strategies.xla import export as xla_export
 
@@ -162,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return doctor(_options(args), args.checkpoint_dir, args.wait)
         opts = _options(args)
+        if args.command in ("run", "scale"):
+            check_not_shadowed()
         if args.command == "scale":
             from pathlib import Path
 

@@ -26,6 +26,7 @@ from loom.devices import THREADS_ENV, check_nproc, cuda_count, default_nproc, de
 from loom.errors import LaunchError
 from loom.launch.agent import reporting_agent, wait_report_interval
 from loom.launch.failures import report
+from loom.strategies.base import LAYOUT_ENV
 
 WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 
@@ -63,10 +64,14 @@ class LaunchOptions:
         return default_nproc(), f"{default_nproc_reason()}; --nproc N to change"
 
     def replicas(self) -> str:
-        """How many replicas the job will have, and why: the launcher's first line."""
-        nnodes = self.node().nnodes
+        """How many replicas the job will have under a data-parallel strategy, and why (``loom env``)."""
+        return f"{_count(self.node().nnodes * self.processes(), 'replica')} = {self.layout()}"
+
+    def layout(self) -> str:
+        """The processes and why so many; the job's first line, which its strategy's chief prints,
+        puts the replicas (and model-parallel degrees) before it."""
         nproc, why = self._processes()
-        return f"{_count(nnodes * nproc, 'replica')} = {_count(nnodes, 'node')} x {_count(nproc, 'process', 'es')} ({why})"
+        return f"{_count(self.node().nnodes, 'node')} x {_count(nproc, 'process', 'es')} ({why})"
 
     def threads_per_process(self) -> int:
         return self.threads or thread_budget(self.processes())
@@ -123,7 +128,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
 def worker_environment(opts: LaunchOptions) -> dict[str, str]:
     """Variables every worker inherits: its thread budget and the collective timeout."""
     threads = opts.threads_per_process()
-    env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads)}
+    env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads), LAYOUT_ENV: opts.layout()}
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = str(opts.timeout)
     node = opts.node()
@@ -165,8 +170,6 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
     os.environ.update(worker_environment(opts))
     node = opts.node()
     world_size = node.nnodes * opts.processes()
-    if node.node_rank == 0:
-        print(f"loom: {opts.replicas()}", file=sys.stderr, flush=True)
     # torchrun's own logging repeats what loom.launch.failures says in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
@@ -179,4 +182,6 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
         name = signal.Signals(stop.sigval).name
         print(f"loom: stopped by {name}; workers terminated", file=sys.stderr, flush=True)
         return 128 + stop.sigval
+    finally:
+        os.environ.pop(LAYOUT_ENV, None)  # the workers' first line: code after loom.launch() is not one of them
     return 0

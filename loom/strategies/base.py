@@ -14,6 +14,8 @@ same parameters under every strategy where it is exact; a strategy whose step ca
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
@@ -39,6 +42,7 @@ if TYPE_CHECKING:
     from loom.checkpoint.checkpointer import Checkpointer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 2)": the chief ends the job's first line with it
 Number = TypeVar("Number", int, float)
 
 
@@ -74,6 +78,22 @@ class Strategy(ABC):
     def is_chief(self) -> bool:
         """The replica that logs, prints and writes files that exist once per job."""
         return self.replica_id == 0
+
+    @property
+    def model_parallel_degrees(self) -> dict[str, int]:
+        """Processes that one replica spans, by kind (``{"tensor-parallel rank": 2}``); none for data parallelism."""
+        return {}
+
+    def _announce(self) -> None:
+        """The job's first line, once, from the chief: what the launcher cannot know, the replicas
+        and the degrees of model parallelism, then the processes it started."""
+        layout = os.environ.get(LAYOUT_ENV)
+        if layout is None or (self._connection is None and dist.is_initialized()):  # a part of another strategy
+            return
+        del os.environ[LAYOUT_ENV]
+        parts = [_count(self.num_replicas_in_sync, "replica")] + [_count(d, kind) for kind, d in self.model_parallel_degrees.items()]
+        if self.is_chief:
+            print(f"loom: {' x '.join(parts)} = {layout}", file=sys.stderr, flush=True)
 
     @cached_property
     def precision(self) -> Precision:
@@ -112,6 +132,7 @@ class Strategy(ABC):
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        self._announce()
         candidates = fast_path_candidates(fast_path)
         if candidates and example_input is None:
             raise ValueError(
@@ -166,6 +187,9 @@ class Strategy(ABC):
         (once per update) and ``zero_grad``. ``accumulate=k`` runs each batch as k
         micro-batches with one sync; it equals the whole batch at once. The loss comes back
         detached, without a device sync; ``step.outputs`` holds the batch's outputs.
+        ``loss_fn=None`` is for a model that computes its own loss: the step calls
+        ``model(inputs, targets)`` and takes the loss from what it returns (the rules are in
+        ``loom.strategies.step``).
         """
         return TrainStep(self, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
 
@@ -286,6 +310,7 @@ class Strategy(ABC):
         or by sample (``shard_by``, see ``loom.data.plan``). See ``loom.data.sharding`` for the
         details.
         """
+        self._announce()
         if isinstance(data, Pipeline):
             return data.loader(self.num_replicas_in_sync, self.replica_id, self.device, batch_size, shard_by)
         return DistributedLoader(
@@ -331,6 +356,7 @@ class Strategy(ABC):
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the chief only, flushed: one line per job, not one per replica."""
+        self._announce()
         if self.is_chief:
             print(*args, **{"flush": True, **kwargs})
 
@@ -437,6 +463,10 @@ class Strategy(ABC):
 
 
 WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' if n != 1 else ''}"
 
 
 SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value

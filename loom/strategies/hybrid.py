@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
+from loom.strategies.base import unwrap
 from loom.strategies.dtensor_norm import clip_grad_norm
 from loom.strategies.fast_path import refuse as refuse_fast_path
 from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
@@ -118,7 +119,7 @@ class HybridStrategy(MeshStrategy):
             broadcast_states(model, self.device)
         staged = self._pipeline.prepare(model)  # 1. this process keeps its stage; the others' tensors become meta
         with self._guard():
-            self._parallelize(model, list(staged.runner.modules.values()))
+            self._parallelize(unwrap(model), list(staged.runner.modules.values()))  # torch.compile(model): the plan names its layers
         params = [p for p in model.parameters() if not p.is_meta]
         if optimizer is None:
             return staged

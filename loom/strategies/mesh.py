@@ -179,6 +179,11 @@ class MeshStrategy(Strategy):
         return self.cluster.rank == 0
 
     @property
+    def model_parallel_degrees(self) -> dict[str, int]:
+        kinds = {"pp": "pipeline stage", "tp": "tensor-parallel rank"}
+        return {kinds[axis]: self.mesh.size(axis) for axis in kinds if self.mesh.size(axis) > 1}
+
+    @property
     def device(self) -> torch.device:
         return self._device
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -22,6 +23,8 @@ class StrategyOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer
         self.precision = precision
         self._should_step = should_step
+        self._held_lrs: list[Any] | None = None  # the learning rates at a step skipped inside this accumulation cycle
+        self._warned_schedule = False
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:
@@ -44,9 +47,26 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        if not self._should_step(self):
+        acts = self._should_step(self)
+        self._watch_schedule(acts)
+        if not acts:
             return None
         return self.precision.step(self.optimizer, closure)
+
+    def _watch_schedule(self, acts: bool) -> None:
+        """Warn once when the learning rate moves inside an accumulation cycle: a scheduler stepped
+        every micro-batch runs its schedule k times too fast."""
+        if acts and self._held_lrs is None:  # outside a cycle: nothing to compare
+            return
+        lrs = [float(group["lr"]) if "lr" in group else None for group in self.param_groups]
+        if self._held_lrs is not None and lrs != self._held_lrs and not self._warned_schedule:
+            self._warned_schedule = True
+            warnings.warn(
+                "the learning rate changed inside an accumulate() cycle, so the LR scheduler steps every micro-batch "
+                "and runs its schedule that many times too fast: step it only when strategy.sync_gradients is True",
+                stacklevel=3,
+            )
+        self._held_lrs = None if acts else lrs
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._should_step(self):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import warnings
 import weakref
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -126,6 +127,10 @@ class PipelineStrategy(Strategy):
     @property
     def is_chief(self) -> bool:
         return comm.rank() == 0
+
+    @property
+    def model_parallel_degrees(self) -> dict[str, int]:
+        return {"pipeline stage": self.stages}
 
     @property
     def device(self) -> torch.device:
@@ -323,25 +328,44 @@ class PipelineModule(AutocastModule):
         self.strategy = strategy
         self.runner = runner
 
-    def forward(self, inputs: Any) -> Any:  # type: ignore[override]
+    def forward(self, inputs: Any, *targets: Any) -> Any:  # type: ignore[override]
+        """``targets``: for a model that computes its own loss (``loom.evaluate(model, None, ...)``)."""
         if self.training and torch.is_grad_enabled():
             raise RuntimeError(EAGER_REFUSAL)
         run = self.runner.forward
         if torch.compiler.is_compiling():  # torch.compile(prepared): the stages' blocks are compiled, not the sends
             run = torch.compiler.disable(run)
         with self.strategy._guard():
-            return run(inputs)
+            return run(inputs, *targets)
 
 
 class PipelineStep(TrainStep):
-    """``loss = step(inputs, targets)``: the schedule's forward and backward, then the usual update."""
+    """``loss = step(inputs, targets)``: the schedule's forward and backward, then the usual update.
+
+    With ``loss_fn=None`` the model computes its own loss: its first and last stages run its
+    forward with each micro-batch's targets, ``model(inputs, targets)``, and the loss is read
+    from the last stage's outputs (``outputs.model_loss``).
+    """
+
+    def __init__(self, strategy: Strategy, model: nn.Module, loss_fn: Any, *args: Any) -> None:
+        if loss_fn is None and model.runner.sequential:  # type: ignore[union-attr]
+            raise ValueError(
+                f"{type(strategy).__name__} runs an nn.Sequential layer by layer, never a forward(inputs, targets) that "
+                "computes a loss: pass train_step a loss_fn(outputs, targets)"
+            )
+        super().__init__(strategy, model, loss_fn, *args)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         strategy: PipelineStrategy = self.strategy  # type: ignore[assignment]
         runner: PipelineRunner = self.model.runner  # type: ignore[union-attr]
+        if self.loss_fn is None and isinstance(inputs, Mapping):
+            raise ValueError(
+                f"{type(strategy).__name__} passes a model that computes its own loss its inputs and targets as "
+                "model(inputs, targets), not a dict of keywords: give the inputs and the labels as two tensors, or pass a loss_fn"
+            )
         size = batch_len(inputs if targets is None else targets)
         k, m = self.accumulate, runner.microbatches
-        loss_fn = self.loss_fn if targets is not None else (lambda out, _: self.loss_fn(out, None))
+        loss_fn = self.loss_fn if targets is not None or self.loss_fn is None else (lambda out, _: self.loss_fn(out, None))
         full = runner.scheduled_batch
         if full is not None and size < full * k:  # an epoch's short last batch: stage after stage, whole
             with strategy._guard():

@@ -6,13 +6,14 @@ the pp axis's process group, and knows nothing about data parallelism.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from loom.compat import compile_like
+from loom.strategies.outputs import map_outputs, model_loss
 from loom.strategies.pipeline_split import Layers, LastStage, build_stage, tensors_in, to_meta
 from loom.strategies.precision import Precision
 from loom.strategies.step import _detached, batch_len, slice_batch
@@ -57,6 +58,7 @@ class PipelineRunner:
         self.owners = stage_owners(schedule, processes, virtual_stages)
         self.num_stages = len(self.owners)
         self.mine = [s for s, owner in enumerate(self.owners) if owner == self.rank]
+        self.sequential = layers.list_name is None  # an nn.Sequential: its stages never run the model's forward
         self.modules = {s: build_stage(layers, bounds, s) for s in self.mine}
         self.schedule_name = schedule
         self.microbatches = microbatches
@@ -65,7 +67,7 @@ class PipelineRunner:
         self._schedule: Any = None
         self._scheduled: dict[int, ScheduledStage] = {}  # the stages as the schedule runs them, built with it
         self._shapes: Any = None  # of the first step's micro-batch: torch's schedules keep them
-        self._loss: Callable[[Any, Any], torch.Tensor] | None = None
+        self._loss: Callable[[Any, Any], torch.Tensor] | None = None  # None: the model computes its own loss
         self._scale = 1.0
         self._losses: list[torch.Tensor] = []
 
@@ -91,8 +93,8 @@ class PipelineRunner:
         return cls(stages[0], **options) if per_process == 1 else cls(stages, **options)
 
     def _compute_loss(self, outputs: Any, target: Any) -> torch.Tensor:
-        assert self._loss is not None
-        loss = self._loss(self._scheduled[self.num_stages - 1].rebuild(outputs), target)
+        outputs = self._scheduled[self.num_stages - 1].rebuild(outputs)
+        loss = model_loss(outputs) if self._loss is None else self._loss(outputs, target)
         self._losses.append(loss.detach())
         return self.precision.scale(loss * self._scale)
 
@@ -108,17 +110,23 @@ class PipelineRunner:
                 "pad sequences to one length)"
             )
 
-    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> tuple[torch.Tensor, Any]:
+    def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None, scale: float) -> tuple[torch.Tensor, Any]:
         """Forward and backward of one batch: every process gets the batch's mean loss and its outputs.
 
         Each micro-batch's loss is multiplied by ``scale / microbatches`` before its backward,
-        so the gradients are those of ``scale`` times the batch's mean loss.
+        so the gradients are those of ``scale`` times the batch's mean loss. With ``loss_fn``
+        None the model computes its own: the first and last stages run its forward with each
+        micro-batch's targets, and the loss is read from the last stage's outputs.
         """
         self._micro = batch_len(inputs) // self.microbatches
         self._check_shapes(inputs, targets)
         if self._schedule is None:
             self._schedule = self._build()
         self._loss, self._scale, self._losses = loss_fn, scale / self.microbatches, []
+        own_loss = loss_fn is None and targets is not None
+        chunks = [slice_batch(targets, i * self._micro, (i + 1) * self._micro) for i in range(self.microbatches)] if own_loss else None
+        for s in {0, self.num_stages - 1} & set(self.mine):  # the stages that run the model's forward
+            self._scheduled[s].feed(chunks)
         if self.last:
             last = self.modules[self.num_stages - 1]
             if isinstance(last, LastStage):
@@ -136,7 +144,7 @@ class PipelineRunner:
         """The batch size the schedule was built for at the first step (None before it)."""
         return None if self._shapes is None else self._micro * self.microbatches
 
-    def step_whole(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor], scale: float) -> tuple[torch.Tensor, Any]:
+    def step_whole(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None, scale: float) -> tuple[torch.Tensor, Any]:
         """Forward and backward of a batch smaller than the schedule's (an epoch's short last one), unpipelined.
 
         torch's schedules keep the shapes of their first step, so this batch goes as one
@@ -154,14 +162,14 @@ class PipelineRunner:
             if isinstance(module, LastStage):
                 module.example = inputs
             with self.precision.autocast():
-                held[s] = (x, module(x))
+                held[s] = (x, module(x, *self._targets_of(s, targets, loss_fn is None)))
             if s < self.num_stages - 1 and self.owners[s + 1] != self.rank:
                 _send(held[s][1].detach(), self._global(self.owners[s + 1]), self.group)
         loss, outputs = torch.zeros((), device=self.device), None
         for s in reversed(self.mine):
             x, out = held[s]
             if s == self.num_stages - 1:
-                value = loss_fn(out, targets if targets is not None else torch.zeros(batch_len(inputs)))
+                value = model_loss(out) if loss_fn is None else loss_fn(out, targets if targets is not None else torch.zeros(batch_len(inputs)))
                 loss, outputs = value.detach(), _detached(out)
                 self.precision.scale(value * scale).backward()
             else:
@@ -171,9 +179,14 @@ class PipelineRunner:
                 _send(x.grad if x.grad is not None else torch.zeros_like(x), self._global(self.owners[s - 1]), self.group)
         return self._from_last(loss), self._from_last(outputs)
 
+    def _targets_of(self, stage: int, targets: Any, own_loss: bool) -> tuple[Any, ...]:
+        """What stage ``stage`` is given besides its input: the targets, where it runs the forward of a model computing its own loss."""
+        return (targets,) if own_loss and targets is not None and stage in (0, self.num_stages - 1) else ()
+
     @torch.no_grad()
-    def forward(self, inputs: Any) -> Any:
-        """The whole model on ``inputs``, stage after stage (no schedule, any batch size); every process gets the outputs."""
+    def forward(self, inputs: Any, *targets: Any) -> Any:
+        """The whole model on ``inputs`` (and ``targets``, for a model computing its own loss), stage after
+        stage (no schedule, any batch size); every process gets the outputs."""
         activation: Any = None
         for s in range(self.num_stages):
             owner = self.owners[s]
@@ -187,7 +200,7 @@ class PipelineRunner:
             if isinstance(module, LastStage):
                 module.example = inputs
             with self.precision.autocast():
-                activation = module(activation)
+                activation = module(activation, *self._targets_of(s, targets[0] if targets else None, True))
             if s < self.num_stages - 1 and self.owners[s + 1] != self.rank:
                 _send(activation, self._global(self.owners[s + 1]), self.group)
         return self._from_last(activation if self.last else None)
@@ -223,7 +236,11 @@ class ScheduledStage(nn.Module):
     buffers and with the random generators put back after, so no running statistic, counter
     or dropout draw depends on when the schedule was built (a resumed run builds it again).
     The stage's outputs go to torch as a tuple of their tensors, and ``rebuild`` puts the
-    model's structure back (``(logits, None)``: torch's stages take tensors only).
+    model's structure back, of the model's own classes (``(logits, None)``, a ``ModelOutput``:
+    torch's stages take tensors only). A scalar (a loss) goes as one element, since torch joins
+    the micro-batches' outputs along their first dimension; the joined outputs keep the last one's.
+    A stage that runs the forward of a model computing its own loss is fed each micro-batch's
+    targets, in order (the schedule runs a stage's micro-batches in order).
     """
 
     def __init__(self, module: nn.Module, device: torch.device) -> None:
@@ -232,8 +249,18 @@ class ScheduledStage(nn.Module):
         self.device = device
         self.inferring = True
         self.structure: Any = None  # the last output, its tensors on the meta device
+        self.targets: list[Any] | None = None  # this step's micro-batches' targets, for a model's own loss
+        self.calls = 0
+
+    def feed(self, targets: list[Any] | None) -> None:
+        """This step's micro-batches' targets (None: the model is called without them)."""
+        self.targets, self.calls = targets, 0
 
     def forward(self, *args: Any) -> Any:
+        if self.targets is not None:  # shape inference runs on the first micro-batch, then the schedule runs them in order
+            args = (*args, self.targets[0 if self.inferring else self.calls])
+            if not self.inferring:
+                self.calls += 1
         if self.inferring:
             self.inferring = False
             from torch.func import functional_call  # torch.func imports functorch: only where a stage runs
@@ -244,23 +271,19 @@ class ScheduledStage(nn.Module):
         else:
             out = self.module(*args)
         self.structure = to_meta(out)
-        tensors = list(tensors_in(out))
+        tensors = [t.reshape(1) if t.dim() == 0 else t for t in tensors_in(out)]
         return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
     def rebuild(self, flat: Any) -> Any:
-        """The stage's outputs in the model's structure, from the tensors ``forward`` handed on."""
+        """The stage's outputs in the model's structure, from the tensors ``forward`` handed on
+        (one micro-batch's, or the schedule's join of them all)."""
         tensors = iter(flat if isinstance(flat, tuple) else (flat,))
-        return _refill(self.structure, tensors)
+        return map_outputs(lambda v: _leaf(next(tensors), v) if isinstance(v, torch.Tensor) else v, self.structure)
 
 
-def _refill(tree: Any, tensors: Iterator[torch.Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
-        return next(tensors)
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_refill(t, tensors) for t in tree)
-    if isinstance(tree, dict):
-        return {k: _refill(v, tensors) for k, v in tree.items()}
-    return tree
+def _leaf(tensor: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """A scalar output went as one element per micro-batch: the last one's."""
+    return tensor.reshape(-1)[-1] if meta.dim() == 0 else tensor
 
 
 def _shapes(tree: Any) -> Any:
@@ -279,29 +302,30 @@ def _describe(shapes: Any) -> str:
     return f"inputs {first(inputs)}, targets {first(targets)}"
 
 
+class _Slot:
+    """Where a broadcast output holds a tensor: its shape and dtype (a leaf to ``map_outputs``)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+
 def _header(tree: Any) -> Any:
-    """The structure of ``tree`` with each tensor replaced by its shape and dtype."""
-    if isinstance(tree, torch.Tensor):
-        return ("tensor", tuple(tree.shape), tree.dtype)
-    if isinstance(tree, (list, tuple)):
-        return (type(tree).__name__, [_header(t) for t in tree])
-    if isinstance(tree, dict):
-        return ("dict", {k: _header(v) for k, v in tree.items()})
-    return ("value", tree)
+    """``tree`` with each tensor replaced by its ``_Slot``: its containers' classes travel with it."""
+    return map_outputs(lambda v: _Slot(v) if isinstance(v, torch.Tensor) else v, tree)
 
 
 def _broadcast_tensors(tree: Any, header: Any, src: int, group: Any, device: torch.device) -> Any:
-    kind = header[0]
-    if kind == "tensor":
-        tensor = tree.detach().contiguous() if tree is not None else torch.empty(header[1], dtype=header[2], device=device)
+    """The tensors of ``tree`` (on ``src``) into ``header``'s structure, on every process."""
+    sent = iter(tensors_in(tree)) if tree is not None else None
+
+    def fill(slot: Any) -> Any:
+        if not isinstance(slot, _Slot):
+            return slot
+        tensor = next(sent).detach().contiguous() if sent is not None else torch.empty(slot.shape, dtype=slot.dtype, device=device)
         dist.broadcast(tensor, src=src, group=group)
         return tensor
-    if kind in ("list", "tuple"):
-        parts = [_broadcast_tensors(tree[i] if tree is not None else None, h, src, group, device) for i, h in enumerate(header[1])]
-        return parts if kind == "list" else tuple(parts)
-    if kind == "dict":
-        return {k: _broadcast_tensors(tree[k] if tree is not None else None, h, src, group, device) for k, h in header[1].items()}
-    return header[1]
+
+    return map_outputs(fill, header)
 
 
 def _send(tensor: Any, dst: int, group: Any) -> None:

@@ -7,8 +7,9 @@ Two shapes of model are split, as they are:
   (``for block in self.blocks: x = block(x)``), or calls an ``nn.Sequential`` of them, at any
   depth (nanoGPT's ``transformer.h``, a ModuleList in a ModuleDict): the blocks are the layers.
   The modules registered before the container, at each level of its path (embeddings), belong
-  to the first stage, those after it (final norm, head) to the last, as do parameters of the
-  model itself. Names stay the model's, so checkpoints keep its keys.
+  to the first stage, those after it (final norm, head) to the last. Parameters and buffers
+  held directly by the model, or by a container on that path (``transformer`` itself), belong
+  to the first stage. Names stay the model's, so checkpoints keep its keys.
 
 The first stage runs the model's own ``forward`` with the list cut to its blocks, and stops
 at the end of the last one. Middle stages run their blocks. The last stage runs ``forward``
@@ -22,12 +23,13 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from loom.compat import BatchNormBase
+from loom.strategies.outputs import map_outputs
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,10 @@ class Layers:
 
     def module(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)
+
+    def own(self) -> dict[str, torch.Tensor]:
+        """The first stage's tensors outside any module it runs (see ``path_tensors``)."""
+        return path_tensors(self.model, self.list_name)
 
     def stage_names(self, bounds: Sequence[int], stage: int) -> list[str]:
         """Top-level names (and layer names) a stage owns: what it holds and what it saves."""
@@ -69,6 +75,12 @@ def find_layers(model: nn.Module, split_points: Sequence[str] | None = None) -> 
     names = [f"{list_name}.{child}" if list_name else child for child, _ in container.named_children()]
     if not list_name:
         return Layers(model, names, None, [], [])
+    held = [f"{list_name}.{n}" for n, _ in [*container.named_parameters(recurse=False), *container.named_buffers(recurse=False)]]
+    if held:
+        raise ValueError(
+            f"PipelineStrategy cannot split {list_name}: it holds {', '.join(held)} itself, outside its blocks, where "
+            "no stage runs it; register it on the module that holds the blocks, or on a block"
+        )
     before, after = _around(model, list_name)
     return Layers(model, names, list_name, before, after)
 
@@ -105,7 +117,7 @@ def parameter_costs(layers: Layers) -> list[float]:
     """Parameters per layer; the first and last carry the modules that run before and after the blocks."""
     count = lambda names: sum(p.numel() for n in names for p in layers.module(n).parameters())  # noqa: E731
     costs = [float(count([name])) for name in layers.names]
-    own = sum(p.numel() for p in layers.model.parameters(recurse=False))
+    own = sum(t.numel() for t in layers.own().values() if isinstance(t, nn.Parameter))
     costs[0] += count(layers.before) + own
     costs[-1] += count(layers.after)
     return costs
@@ -135,7 +147,7 @@ def time_costs(layers: Layers, example: Any, repeats: int = 3) -> list[float]:
                 start = time.perf_counter()
                 out = layers.model(example)
                 forward_end = time.perf_counter()
-                _first_tensor(out).float().sum().backward()
+                tensors_in(out)[0].float().sum().backward()
                 end = time.perf_counter()
                 runs.append(_per_layer(marks, len(layers.names), start, forward_end, end))
     finally:
@@ -152,13 +164,6 @@ def _per_layer(marks: list[tuple[str, int, float]], n: int, start: float, forwar
     costs[0] += at[("f0", 0)] - start + end - at.get(("b1", 0), end)  # before the blocks, both ways
     costs[-1] += forward_end - at[("f1", n - 1)] + at.get(("b0", n - 1), forward_end) - forward_end
     return costs
-
-
-def _first_tensor(out: Any) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    values = out.values() if isinstance(out, dict) else out
-    return next(_first_tensor(v) for v in values)
 
 
 def balanced_bounds(costs: Sequence[float], stages: int) -> list[int]:
@@ -216,7 +221,7 @@ def describe(layers: Layers, bounds: Sequence[int]) -> str:
         names = layers.stage_names(bounds, s)
         count = sum(p.numel() for n in names for p in layers.module(n).parameters())
         if s == 0:
-            count += sum(p.numel() for p in layers.model.parameters(recurse=False))
+            count += sum(t.numel() for t in layers.own().values() if isinstance(t, nn.Parameter))
         parts.append(f"stage {s}: {_ranges(names)} ({count:,} params)")
     return "pipeline split: " + "; ".join(parts)
 
@@ -271,9 +276,9 @@ class SequentialStage(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(modules)
 
-    def forward(self, x: Any) -> Any:
-        for layer in self.layers:
-            x = layer(x)
+    def forward(self, x: Any, *targets: Any) -> Any:
+        for layer in self.layers:  # targets: a whole model in one stage that computes its own loss
+            x = layer(x, *targets)
         return x
 
 
@@ -304,9 +309,9 @@ class _ForwardStage(nn.Module):
 class FirstStage(_ForwardStage):
     """The model's forward up to the end of this stage's last block."""
 
-    def forward(self, inputs: Any) -> torch.Tensor:
+    def forward(self, inputs: Any, *targets: Any) -> torch.Tensor:
         try:
-            self._with_list([*self.blocks, _StopHere()], lambda: self.model(inputs))
+            self._with_list([*self.blocks, _StopHere()], lambda: self.model(inputs, *targets))
         except _Stop as stop:
             return stop.activation
         raise RuntimeError(
@@ -325,14 +330,15 @@ class LastStage(_ForwardStage):
 
     example: Any = None
 
-    def forward(self, activation: torch.Tensor) -> Any:
+    def forward(self, activation: torch.Tensor, *targets: Any) -> Any:
+        """``targets``, for a model that computes its own loss, are real: the loss is computed here."""
         from torch.func import functional_call  # torch.func imports functorch: only where a stage runs
 
         feed = _Feed()
         feed.activation = activation
-        early = {**_named_tensors(self.model, self.before), **_own_tensors(self.model)}
+        early = {**_named_tensors(self.model, self.before), **path_tensors(self.model, self.list_name)}
         meta = {name: torch.empty_like(t, device="meta") for name, t in early.items()}
-        out = self._with_list([feed, *self.blocks], lambda: functional_call(self.model, meta, (to_meta(self.example),), strict=False))
+        out = self._with_list([feed, *self.blocks], lambda: functional_call(self.model, meta, (to_meta(self.example), *targets), strict=False))
         if any(t.is_meta for t in tensors_in(out)):
             raise RuntimeError(
                 f"{type(self.model).__name__}.forward uses, after its {self.list_name}, a value computed before them, "
@@ -349,30 +355,28 @@ def _named_tensors(model: nn.Module, children: list[str]) -> dict[str, torch.Ten
     return found
 
 
-def _own_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters(recurse=False)), **dict(model.named_buffers(recurse=False))}
+def path_tensors(model: nn.Module, list_name: str | None) -> dict[str, torch.Tensor]:
+    """Tensors held directly by the model and by each container on the path to its blocks (a
+    parameter of ``transformer`` itself), by their names in the model's state dict."""
+    parts = (list_name or "").split(".")
+    paths = [".".join(parts[:depth]) for depth in range(len(parts))]  # "transformer.h": "", "transformer"
+    found: dict[str, torch.Tensor] = {}
+    for path in paths:
+        module = model.get_submodule(path)
+        found.update({f"{path}.{n}" if path else n: t for n, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]})
+    return found
 
 
-def tensors_in(tree: Any) -> Iterator[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, (list, tuple)):
-        for t in tree:
-            yield from tensors_in(t)
-    elif isinstance(tree, dict):
-        for t in tree.values():
-            yield from tensors_in(t)
+def tensors_in(tree: Any) -> list[torch.Tensor]:
+    """The tensors of an output, in the order ``map_outputs`` walks it (dataclasses and dict subclasses included)."""
+    found: list[torch.Tensor] = []
+    map_outputs(lambda v: found.append(v) if isinstance(v, torch.Tensor) else None, tree)
+    return found
 
 
 def to_meta(tree: Any) -> Any:
-    """The same structure with every tensor a meta tensor of its shape and dtype."""
-    if isinstance(tree, torch.Tensor):
-        return torch.empty_like(tree, device="meta")
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(to_meta(t) for t in tree)
-    if isinstance(tree, dict):
-        return {k: to_meta(v) for k, v in tree.items()}
-    return tree
+    """The same structure, of the same classes, with every tensor a meta tensor of its shape and dtype."""
+    return map_outputs(lambda v: torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v, tree)
 
 
 def build_stage(layers: Layers, bounds: Sequence[int], stage: int) -> nn.Module:
@@ -385,8 +389,9 @@ def build_stage(layers: Layers, bounds: Sequence[int], stage: int) -> nn.Module:
         return SequentialStage([layers.model])
     if first:
         stage_module = FirstStage(layers, blocks, layers.before)
-        for name, param in layers.model.named_parameters(recurse=False):
-            stage_module.register_parameter(f"model_{name}", param)
+        for name, tensor in layers.own().items():
+            if isinstance(tensor, nn.Parameter):
+                stage_module.register_parameter("model_" + name.replace(".", "_"), tensor)
         return stage_module
     return LastStage(layers, blocks, layers.after)
 
@@ -423,5 +428,5 @@ def owned_tensors(layers: Layers, bounds: Sequence[int], stages: Sequence[int]) 
             module = layers.module(name)
             owned.update({f"{name}.{n}": t for n, t in [*module.named_parameters(), *module.named_buffers()]})
         if s == 0:
-            owned.update(_own_tensors(layers.model))
+            owned.update(layers.own())
     return owned

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from loom.strategies.optimizer import inner_optimizer
+from loom.strategies.outputs import map_outputs
 
 DTYPES: dict[str, torch.dtype | None] = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
@@ -44,6 +45,17 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         self._update_due = False
         super().update(new_scale)
+
+    def get_scale(self) -> float:
+        """The scale the next iteration uses, as torch's gives it right after ``step``: the
+        update that is due is worked out on copies, and still runs once, after every optimizer."""
+        if not self._update_due or not self._enabled:
+            return super().get_scale()
+        scale, tracker = self._check_scale_growth_tracker("get_scale")
+        scale, tracker = scale.clone(), tracker.clone()
+        found = [f.to(scale.device) for state in self._per_optimizer_states.values() for f in state["found_inf_per_device"].values()]
+        torch._amp_update_scale_(scale, tracker, sum(found[1:], found[0].clone()), self._growth_factor, self._backoff_factor, self._growth_interval)
+        return scale.item()
 
     def settle(self) -> None:
         """Run the update a finished iteration is owed."""
@@ -106,10 +118,11 @@ class AutocastModule(nn.Module):
 
 
 def _to_float32(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.float() if out.is_floating_point() and out.dtype != torch.float64 else out
-    if isinstance(out, (list, tuple)):
-        return type(out)(_to_float32(o) for o in out)
-    if isinstance(out, dict):
-        return {k: _to_float32(v) for k, v in out.items()}
-    return out
+    """Low-precision floating tensors as fp32, in containers of the model's own classes."""
+    return map_outputs(_tensor_to_float32, out)
+
+
+def _tensor_to_float32(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64:
+        return value.float()
+    return value

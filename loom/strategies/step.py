@@ -8,7 +8,12 @@ its signature and meaning:
 - the batch is this replica's share of the global batch; with ``accumulate=k`` it is run as k
   micro-batches whose gradients are summed locally and synchronised once, after the last
   (``loss_fn`` must average over its batch, as torch's losses do by default);
-- ``targets`` may be None for a model that computes its own loss (``loss_fn(outputs, None)``);
+- ``loss_fn=None`` means the model computes its own loss: the step calls ``model(inputs,
+  targets)`` (``model(inputs)`` when ``targets`` is None, ``model(**inputs)`` for a dict of
+  inputs, labels included, as Hugging Face's models take them) and reads the loss from what
+  it returns (``outputs.model_loss``: a scalar tensor, a tuple's one scalar tensor such as
+  nanoGPT's ``(logits, loss)``, or a dict's or object's ``loss``);
+- with a ``loss_fn``, ``targets`` may be None for a loss that needs none (``loss_fn(outputs, None)``);
 - fp16 losses are scaled, and the gradients unscaled once, before clipping;
 - ``max_grad_norm`` clips the norm of the gradients after they are synchronised;
 - the scheduler steps once per update, never per micro-batch;
@@ -18,17 +23,18 @@ its signature and meaning:
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
+from loom.strategies.outputs import call_with_targets, map_outputs, model_loss
 
 if TYPE_CHECKING:
     from loom.strategies.base import Strategy
 
-LossFn = Callable[[Any, Any], torch.Tensor]
+LossFn = Optional[Callable[[Any, Any], torch.Tensor]]  # None: the model computes its own loss
 
 
 class TrainStep:
@@ -50,6 +56,8 @@ class TrainStep:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
         if max_grad_norm is not None:  # a strategy that cannot clip says so now, not after the first backward
             strategy._clip_grad_norm([], max_grad_norm)
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"loss_fn must be a function (outputs, targets) -> loss, or None for a model that computes its own, not {type(loss_fn).__name__}")
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError(f"scheduler must be an LR scheduler (with .step()), not {type(scheduler).__name__}")
         self.strategy = strategy
@@ -80,8 +88,7 @@ class TrainStep:
             weight = batch_len(x) / size  # the chunks' mean losses add up to the batch mean
             recorder.forward_begins(round(size * weight))
             with strategy._guard(), (nullcontext() if last else strategy._skip_gradient_sync()):
-                out = self.model(x)
-                loss = self.loss_fn(out, y)
+                out, loss = self._forward(x, y)
                 strategy.precision.scale(loss * weight).backward()
             recorder.backward_done()
             outputs.append(_detached(out))
@@ -93,6 +100,14 @@ class TrainStep:
         self.outputs = outputs[0] if len(outputs) == 1 else _concat(outputs)
         assert loss_sum is not None
         return loss_sum
+
+    def _forward(self, inputs: Any, targets: Any) -> tuple[Any, torch.Tensor]:
+        """One micro-batch's outputs and mean loss."""
+        if self.loss_fn is None:
+            out = call_with_targets(self.model, inputs, targets)
+            return out, model_loss(out)
+        out = self.model(inputs)
+        return out, self.loss_fn(out, targets)
 
     def _update(self) -> None:
         if self.max_grad_norm is not None:  # the eager loop's clipping: unscale once, clip after the sync
@@ -127,33 +142,25 @@ def _micro_batches(inputs: Any, targets: Any, k: int, size: int) -> list[tuple[A
 
 
 def slice_batch(batch: Any, start: int, stop: int) -> Any:
-    """Samples ``start:stop`` of a batch: a tensor, or a list, tuple or dict of them."""
-    if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(slice_batch(b, start, stop) for b in batch)
-    if isinstance(batch, dict):
-        return {k: slice_batch(v, start, stop) for k, v in batch.items()}
-    return batch
+    """Samples ``start:stop`` of a batch: a tensor, or a list, tuple, dict or dataclass of them.
+
+    A tensor without a batch dimension (a loss the model returned) is kept whole.
+    """
+    return map_outputs(lambda v: v[start:stop] if isinstance(v, torch.Tensor) and v.dim() > 0 else v, batch)
 
 
 def _detached(out: Any) -> Any:
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    if isinstance(out, (list, tuple)):
-        return type(out)(_detached(o) for o in out)
-    if isinstance(out, dict):
-        return {k: _detached(v) for k, v in out.items()}
-    return out
+    """The outputs without their graph, in containers of the model's own classes."""
+    return map_outputs(lambda v: v.detach() if isinstance(v, torch.Tensor) else v, out)
 
 
 def _concat(parts: list[Any]) -> Any:
     """Micro-batches' outputs as one batch's; a value without a batch dimension is the last one's."""
-    first = parts[0]
+    return map_outputs(_concat_leaves, parts[0], *parts[1:])
+
+
+def _concat_leaves(*values: Any) -> Any:
+    first = values[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(parts) if first.dim() > 0 else parts[-1]
-    if isinstance(first, (list, tuple)):
-        return type(first)(_concat(list(p)) for p in zip(*parts))
-    if isinstance(first, dict):
-        return {k: _concat([p[k] for p in parts]) for k in first}
+        return torch.cat(values) if first.dim() > 0 else values[-1]
     return first

@@ -1,13 +1,14 @@
 """``loom.fit`` and ``loom.evaluate``: the loop, so research code keeps only model and loss.
 
 Batches are ``(inputs, targets)`` pairs; ``loss_fn(model(inputs), targets)`` must average
-over the batch (the default of torch's losses).
+over the batch (the default of torch's losses). ``loss_fn=None`` is for a model that computes
+its own loss from ``model(inputs, targets)`` (the rules are ``train_step``'s).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Mapping, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -18,12 +19,13 @@ from loom.diagnostics.breakdown import timed_batches
 from loom.diagnostics.report import mention_advice, report
 from loom.strategies import Strategy, auto_strategy, unwrap
 from loom.strategies.base import OptimizerFactory
+from loom.strategies.outputs import call_with_targets, model_loss
 from loom.strategies.step import batch_len, slice_batch
 from loom.train.backup import BackupAndRestore
 from loom.train.callbacks import Callback, FitState, ProgressBar, TensorBoard
 from loom.train.metrics import Metric, resolve_metrics
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Optional[Callable[[Any, Any], torch.Tensor]]  # None: the model computes its own loss
 Metrics = Union[None, Sequence[Union[str, Metric]], Mapping[str, Metric]]
 
 
@@ -66,10 +68,16 @@ def _evaluate_loader(model: nn.Module, loss_fn: LossFn, loader: DistributedLoade
     model.eval()
     totals = _Totals(metrics, loader.device)
     for k, (inputs, targets) in enumerate(loader):
-        outputs = model(inputs)
         n = loader.valid_count(k)  # padding of an uneven last batch is left out
+        if loss_fn is None:  # the model's loss covers what it is given: the real samples (every replica runs a forward)
+            real = n or batch_len(inputs)
+            outputs = call_with_targets(model, slice_batch(inputs, 0, real), slice_batch(targets, 0, real))
+            loss = model_loss(outputs)
+        else:
+            outputs = model(inputs)
+            loss = loss_fn(slice_batch(outputs, 0, n), slice_batch(targets, 0, n)) if n else None
         if n:
-            totals.add(outputs, targets, loss_fn(slice_batch(outputs, 0, n), slice_batch(targets, 0, n)), n)
+            totals.add(outputs, targets, loss, n)
     model.train(was_training)
     return totals
 
@@ -136,6 +144,11 @@ def fit(
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
     ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
     (``loom.train.backup``). An epoch resumed in the middle logs the mean of its remaining steps.
+
+    ``loss_fn=None`` trains a model that computes its own loss (``model(inputs, targets)``, see
+    ``Strategy.train_step``); metrics then receive its whole output. Its logged training loss for
+    an uneven last batch is the one it trained on, padding included (``val_loss`` counts only the
+    real samples).
     """
     strategy = strategy or auto_strategy()
     metrics_ = resolve_metrics(metrics)
@@ -174,7 +187,7 @@ def fit(
         for k, (inputs, targets) in enumerate(timed_batches(strategy.step_recorder, train)):
             loss = step(inputs, targets)
             n = train.valid_count(k)  # the padding of an uneven last batch is trained on, not counted
-            if n == batch_len(targets):
+            if n == batch_len(targets) or (n and loss_fn is None):  # a model's own loss: over the batch it trained on
                 totals.add(step.outputs, targets, loss, n)
             elif n:
                 totals.add(step.outputs, targets, loss_fn(slice_batch(step.outputs, 0, n), slice_batch(targets, 0, n)), n)

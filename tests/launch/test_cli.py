@@ -1,9 +1,13 @@
 import json
 import re
+import subprocess
+import sys
 
 from loom.launch import torchrun
 from loom.launch.cli import main
+from loom.launch.shadow import shadowing_folder
 from loom.launch.torchrun import LaunchOptions, torchrun_argv, worker_environment
+from tests.helpers import ROOT, job_env
 
 
 def test_env_shows_what_a_launch_resolves(capsys, monkeypatch):
@@ -65,3 +69,27 @@ def test_a_job_across_machines_needs_its_token(capsys, monkeypatch):
     monkeypatch.delenv("LOOM_PS_TOKEN", raising=False)
     assert main(["run", "--ps-hosts", "127.0.0.1:1", "--workers", "1", "--role", "worker", "x.py"]) == 2
     assert capsys.readouterr().err.startswith("loom: error: LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; set the same secret")
+
+
+def test_a_folder_named_loom_where_the_job_starts_is_one_line(tmp_path):
+    """A copy of a loom package there: the workers would import it; the launcher (started with
+    -P, so it imports the real one) says so before it starts them."""
+    (tmp_path / "loom").mkdir()
+    (tmp_path / "loom" / "__init__.py").write_text("")
+    (tmp_path / "train.py").write_text("import loom\nloom.OneDeviceStrategy()\n")
+    done = subprocess.run([sys.executable, "-P", "-m", "loom.launch.cli", "run", "--nproc", "1", "train.py"],
+                          cwd=tmp_path, env=job_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == (
+        f"loom: error: {tmp_path / 'loom'} shadows the loom package: workers start in {tmp_path} and would import it "
+        f"instead of {ROOT / 'loom'}; start the job from another folder, or rename that directory\n"
+    )
+
+
+def test_a_plain_folder_named_loom_shadows_only_an_editable_install(tmp_path):
+    """A clone's root (no __init__.py): Python's path search prefers a real package later on the
+    path, but not one that only an editable install's finder knows."""
+    (tmp_path / "loom").mkdir()
+    assert shadowing_folder(tmp_path, [str(ROOT)]) is None
+    assert shadowing_folder(tmp_path, []) == tmp_path / "loom"
+    assert shadowing_folder(ROOT, []) is None  # the real package itself

@@ -7,7 +7,10 @@ DIR/results-<rank>.pt; the pipeline's checkpoint to DIR/pipeline.
 """
 
 import argparse
+import dataclasses
+from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,58 @@ class NanoGPT(nn.Module):
 
 def nano_loss(out, targets):
     return next_byte_loss(out[0], targets)
+
+
+@dataclasses.dataclass
+class ModelOutput(OrderedDict):
+    """Hugging Face's output class, reduced: a dict whose items are also attributes."""
+
+    logits: Any = None
+    loss: Any = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+
+class Transformer(nn.Module):
+    """nanoGPT's ``transformer``, holding a parameter and a buffer of its own besides its modules."""
+
+    def __init__(self, reference: GPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.h, self.ln_f = reference.embed, reference.pos, reference.blocks, reference.ln_f
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, CONFIG.width))
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, CONFIG.width))
+
+
+class OwnLossGPT(nn.Module):
+    """``forward(idx, targets)`` computes the loss, as language models do, into a ``ModelOutput``;
+    ``transformer`` holds tensors of its own, used before the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        reference = GPT(CONFIG)
+        self.transformer = Transformer(reference)
+        self.lm_head = reference.head
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        t = self.transformer
+        x = t.wte(idx) * t.scale + t.wpe(torch.arange(idx.shape[1])) + t.shift
+        for block in t.h:
+            x = block(x)
+        logits = self.lm_head(t.ln_f(x))
+        loss = next_byte_loss(logits, targets) if targets is not None else None
+        return ModelOutput(logits=logits, loss=loss)
+
+
+def logits_loss(out, targets):
+    return next_byte_loss(out.logits, targets)  # read by attribute: the output kept its class
 
 
 class Counter(nn.Module):
@@ -264,12 +319,40 @@ def seams(directory: Path) -> dict:
     hybrid = loom.HybridStrategy(mesh={"pp": 2}, timeout=60)
     return {
         "nano": nano_results,
+        "own_loss": own_loss(),
         "counted": None if counter.calls.is_meta else int(counter.calls),
         "compiled": {f"{name}_{order}": compiled(s, order == "before", directory / f"compiled_{name}_{order}")
                      for name, s in {"pipeline": strategy, "hybrid": hybrid}.items() for order in ("before", "after")},
         "after_fit": {"pipeline": after_fit(strategy, directory / "after_fit"), "hybrid": after_fit(hybrid, directory / "hybrid_after_fit")},
         "from_nothing": from_nothing(hybrid, directory / "nothing"),
     }
+
+
+def own_loss() -> dict:
+    """``OwnLossGPT``: its ``ModelOutput`` kept through the stages, the step and inference (read by attribute);
+    ``transformer``'s own tensors kept by the first stage; its own loss (``train_step(model, None, opt)``) under
+    1F1B with 4 micro-batches and under ZBV (the first and last stages on one process), and in ``evaluate``."""
+    one, _, _, reference_losses = train(loom.OneDeviceStrategy(), 2, OwnLossGPT, None)
+    data = TensorDataset(*batches(1, seed=5)[0])
+    got: dict = {"reference": one.state_dict(), "reference_losses": reference_losses,
+                 "reference_evaluate": loom.evaluate(one, None, data, batch_size=BATCH, strategy=loom.OneDeviceStrategy())["loss"]}  # fmt: skip
+    strategies = {
+        "loss_fn": (loom.PipelineStrategy(timeout=60), logits_loss),
+        "1f1b": (loom.PipelineStrategy(microbatches=4, timeout=60), None),
+        "zbv": (loom.PipelineStrategy(schedule="zbv_zero_bubble", virtual_stages=2, timeout=60), None),
+    }
+    for name, (strategy, loss) in strategies.items():
+        prepared, _, step, losses = train(strategy, 2, OwnLossGPT, loss)
+        with torch.no_grad():
+            inferred = prepared(batches(1, size=3, seed=4)[0][0])
+        got[name] = {
+            "weights": mine(prepared),
+            "losses": losses,
+            "step_outputs": (type(step.outputs).__name__, step.outputs.logits.shape),
+            "inferred": (type(inferred).__name__, inferred.logits.shape),
+            "evaluate": loom.evaluate(prepared, loss, data, batch_size=BATCH, strategy=strategy)["loss"],
+        }
+    return got
 
 
 @torch.no_grad()

@@ -58,6 +58,38 @@ def compare(make: Callable[..., loom.Strategy], *args: Any, **kwargs: Any) -> di
     return {"xla": {k: v for k, v in xla.items() if k != "step"}, "one": {k: v for k, v in one.items() if k != "step"}, "step": xla["step"]}
 
 
+class Output(dict):
+    """An output object: a dict read by attribute."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class OwnLoss(nn.Module):
+    """``forward(x, targets)`` computes the loss: ``(logits, loss)`` as nanoGPT's, or an ``Output``."""
+
+    def __init__(self, as_object: bool = False) -> None:
+        super().__init__()
+        self.net, self.as_object = mlp(), as_object
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> Any:
+        logits = self.net(x)
+        loss = None if targets is None else F.cross_entropy(logits, targets)
+        return Output(logits=logits, loss=loss) if self.as_object else (logits, loss)
+
+
+def own_loss(strategy: loom.Strategy, as_object: bool = False) -> dict[str, Any]:
+    """The model's own loss through ``train_step(model, None, opt, accumulate=2)``: weights and the last outputs' class."""
+    net, opt = strategy.prepare(OwnLoss(as_object), sgd)
+    step = strategy.train_step(net, None, opt, accumulate=2)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
+    return {"weights": weights(net), "outputs": (type(step.outputs).__name__, tuple(step.outputs.logits.shape) if as_object else None)}
+
+
 def padded(dataset: TensorDataset, devices: int) -> TensorDataset:
     """loom's uneven-last-batch policy written out: the last batch's first samples repeated."""
     x, y = dataset.tensors
@@ -119,6 +151,22 @@ def main() -> None:
     copy = getattr(x, "_loom_xla_copy")
     out["feed"] = {"spec": str(copy.sharding.spec), "devices": len(copy.sharding.device_set), "position": loader.state_dict()["batch"]}
     feed.close()
+
+    # parameters() after steps: the trained values, read before anything else brought them back
+    strategy = loom.TPUStrategy()
+    net, opt = strategy.prepare(mlp(), sgd)
+    step = strategy.train_step(net, F.cross_entropy, opt)
+    for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
+        step(x, y)
+    out["parameters_read"] = {n: p.detach().clone() for n, p in zip(dict(mlp().named_parameters()), net.parameters())}
+
+    # a model that computes its own loss; accumulate() has no eager loop to count here
+    out["own_loss"] = {"xla": own_loss(loom.TPUStrategy())["weights"], "one": own_loss(loom.OneDeviceStrategy())["weights"]}
+    out["own_loss_object"] = own_loss(loom.TPUStrategy(precision="bf16-mixed"), as_object=True)["outputs"]
+    try:
+        tpu.accumulate(2)
+    except RuntimeError as error:
+        out["accumulate_error"] = str(error)
 
     # no eager backward
     try:

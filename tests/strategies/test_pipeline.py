@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import time
+from collections import namedtuple
+from contextlib import nullcontext
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,8 +17,10 @@ from torch import nn
 
 import loom
 from examples.gpt_model import GPT, GPTConfig
-from loom.strategies.pipeline_runner import stage_owners
-from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, split_bounds, time_costs
+from loom.strategies.pipeline import PipelineModule, PipelineStep
+from loom.strategies.pipeline_runner import PipelineRunner, ScheduledStage, _header, stage_owners
+from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
+from loom.strategies.precision import Precision
 from tests.scripts.pipeline_job import NanoGPT
 from tests.helpers import SCRIPTS, loom_run
 from tests.scripts import pipeline_job
@@ -220,7 +227,7 @@ def test_a_bad_batch_gets_one_line_on_every_process(job, case, line):
 def test_the_split_is_printed_once_by_the_chief(job):
     lines = [line for line in job["stdout"].splitlines() if line.startswith("pipeline split:")]
     assert lines[0] == "pipeline split: stage 0: embed, pos, blocks.0-1 (10,784 params); stage 1: blocks.2-3, ln_f, head (10,688 params)"
-    assert len(lines) == 25  # twenty-five prepares in the job, each printed by one process
+    assert len(lines) == 28  # twenty-eight prepares in the job, each printed by one process
 
 
 def test_a_checkpoint_moves_between_the_pipeline_and_one_device(job):
@@ -322,3 +329,128 @@ def test_restore_of_an_empty_directory_takes_no_step_under_a_hybrid_pp_axis(job)
     for rank in job["ranks"]:
         assert rank["seams"]["from_nothing"]["returned"] is None and rank["seams"]["from_nothing"]["adam_steps"] == [2]
     assert max_difference(whole(job["ranks"], "seams", "from_nothing", "weights"), job["one_device"]) <= 1e-5
+
+
+def test_a_models_output_class_its_own_tensors_and_its_own_loss_train_as_one_device(job):
+    """``OwnLossGPT`` returns a ``ModelOutput`` (a dict with attributes), and its ``transformer`` holds a
+    parameter and a buffer of its own: every stage together holds the model's state-dict keys, and two AdamW
+    steps equal one device's, with a loss_fn reading ``out.logits``, or with the model's own loss
+    (``train_step(model, None, opt)``: the targets reach the first and last stages, one micro-batch at a time)."""
+    reference = job["ranks"][0]["seams"]["own_loss"]["reference"]
+    for name in ("loss_fn", "1f1b", "zbv"):
+        weights = whole(job["ranks"], "seams", "own_loss", name, "weights")
+        assert weights.keys() == reference.keys() and max_difference(weights, reference) <= 1e-5, name
+        for rank in job["ranks"]:
+            got, one = rank["seams"]["own_loss"][name], rank["seams"]["own_loss"]
+            assert got["losses"] == pytest.approx(one["reference_losses"], abs=1e-5)
+            assert got["evaluate"] == pytest.approx(one["reference_evaluate"], abs=1e-5)
+            assert got["step_outputs"] == ("ModelOutput", torch.Size([pipeline_job.BATCH, 8, 256]))
+            assert got["inferred"] == ("ModelOutput", torch.Size([3, 8, 256]))
+
+
+@dataclasses.dataclass
+class Logits:
+    logits: torch.Tensor
+
+
+Pair = namedtuple("Pair", ["logits"])
+OUTPUTS = {"model_output": pipeline_job.ModelOutput, "dataclass": Logits, "namedtuple": Pair}
+
+
+class Classed(NanoGPT):
+    """nanoGPT's layout, its logits in an output of class ``kind``."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, idx: torch.Tensor) -> Any:
+        return OUTPUTS[self.kind](logits=super().forward(idx)[0])
+
+
+@pytest.mark.parametrize("kind", ["model_output", "dataclass", "namedtuple"])
+def test_the_stages_hand_back_the_models_output_class(kind):
+    """As torch's schedule runs the last stage (tensors out, rebuilt), as inference and an unpipelined batch
+    run the stages, and as the output is broadcast to the other stages' processes (its header, pickled)."""
+    model, x, y = Classed(kind), torch.randint(0, 256, (4, 8)), torch.randint(0, 256, (4, 8))
+    expected = model(x)
+    layers = find_layers(model)
+    bounds = split_bounds(layers, 2)
+    first, last = build_stage(layers, bounds, 0), ScheduledStage(build_stage(layers, bounds, 1), torch.device("cpu"))
+    last.module.example = x
+    for _ in range(2):  # torch's shape inference, then a micro-batch
+        out = last.rebuild(last(first(x)))
+        assert type(out) is type(expected) and torch.equal(out.logits, expected.logits)
+    header = pickle.loads(pickle.dumps(_header(expected)))
+    assert type(header) is type(expected) and header.logits.shape == (4, 8, 256)
+    runner = PipelineRunner(layers, bounds, "interleaved_1f1b", 2, 2, torch.device("cpu"), Precision("32", torch.device("cpu")))  # both stages here
+    assert type(runner.forward(x)) is type(expected)
+    _, outputs = runner.step_whole(x, y, pipeline_job.logits_loss, 1.0)
+    assert type(outputs) is type(expected) and torch.equal(outputs.logits, expected.logits)
+
+
+def test_an_unpipelined_batch_and_inference_take_the_models_own_loss():
+    """A batch smaller than the schedule's runs stage after stage: with ``loss_fn=None`` its first and last
+    stages get the targets, and its loss and gradients are the model's own."""
+    model, x, y = pipeline_job.OwnLossGPT(), torch.randint(0, 256, (3, 8)), torch.randint(0, 256, (3, 8))
+    model(x, y).loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    layers = find_layers(model)
+    runner = PipelineRunner(layers, split_bounds(layers, 2), "interleaved_1f1b", 2, 2, torch.device("cpu"), Precision("32", torch.device("cpu")))
+    loss, outputs = runner.step_whole(x, y, None, 1.0)
+    assert loss == model(x, y).loss.detach() and torch.equal(outputs.loss, loss)
+    assert max(float((p.grad - expected[n]).abs().max()) for n, p in model.named_parameters()) <= 1e-6
+    assert runner.forward(x, y).loss == loss  # inference, as loom.evaluate(model, None, ...) calls it
+
+
+def test_tensors_held_by_a_container_on_the_path_to_the_blocks_stay_with_the_first_stage():
+    """``transformer`` holds a parameter and a buffer of its own: the first stage keeps them (and trains the
+    parameter), under the model's own keys; no tensor of the model is left to no stage."""
+    model = pipeline_job.OwnLossGPT()
+    layers = find_layers(model)
+    bounds = split_bounds(layers, 2)
+    stages = [owned_tensors(layers, bounds, [s]) for s in range(2)]
+    assert {"transformer.scale", "transformer.shift"} <= stages[0].keys()
+    assert sorted([*stages[0], *stages[1]]) == sorted(model.state_dict())
+    assert any(p is model.transformer.scale for p in build_stage(layers, bounds, 0).parameters())
+    assert describe(layers, bounds).startswith("pipeline split: stage 0: transformer.wte, transformer.wpe, transformer.h.0-1 (10,800 params)")
+    blocks = nn.ModuleList([nn.Linear(2, 2)])
+    blocks.register_parameter("gate", nn.Parameter(torch.ones(2)))
+    with pytest.raises(ValueError) as error:
+        find_layers(nn.ModuleDict({"blocks": blocks}))
+    assert str(error.value) == (
+        "PipelineStrategy cannot split blocks: it holds blocks.gate itself, outside its blocks, where no stage runs it; "
+        "register it on the module that holds the blocks, or on a block"
+    )
+
+
+def test_a_sequential_or_a_dict_of_inputs_cannot_compute_its_own_loss_and_gets_one_line():
+    one = loom.OneDeviceStrategy()
+    model = sequential()
+    layers = find_layers(model)
+    prepared = PipelineModule(model, one, PipelineRunner(layers, [0, 5], "1f1b", 1, 1, torch.device("cpu"), Precision("32", torch.device("cpu"))))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError) as error:
+        PipelineStep(one, prepared, None, opt)
+    assert str(error.value) == (
+        "OneDeviceStrategy runs an nn.Sequential layer by layer, never a forward(inputs, targets) that computes a loss: "
+        "pass train_step a loss_fn(outputs, targets)"
+    )
+    gpt_model = pipeline_job.OwnLossGPT()
+    gpt_layers = find_layers(gpt_model)
+    gpt_prepared = PipelineModule(gpt_model, one, PipelineRunner(gpt_layers, [0, 4], "1f1b", 1, 1, torch.device("cpu"), Precision("32", torch.device("cpu"))))
+    with pytest.raises(ValueError, match=r"^OneDeviceStrategy passes a model that computes its own loss its inputs and targets as model\(inputs, targets\)"):
+        PipelineStep(one, gpt_prepared, None, torch.optim.SGD(gpt_model.parameters(), lr=0.1))({"idx": torch.zeros(2, 8, dtype=torch.long)}, None)
+
+
+def test_hybrid_hands_tensor_parallelism_the_uncompiled_model():
+    """``prepare(torch.compile(model))`` with pp and tp: the plan names the model's layers, not ``_orig_mod.``'s."""
+    hybrid = object.__new__(loom.HybridStrategy)
+    given = []
+    hybrid._pipeline = SimpleNamespace(prepare=lambda model: SimpleNamespace(runner=SimpleNamespace(modules={})))
+    hybrid._parallelize = lambda model, units: given.append(model)
+    hybrid._guard = nullcontext
+    model = sequential()
+    hybrid.prepare(torch.compile(model))
+    assert given == [model]

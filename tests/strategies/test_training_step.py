@@ -1,11 +1,16 @@
 """Mixed precision, clipping and scheduling in one process: the set-ups that trained silently wrong."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import loom
+from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from tests.scripts.clicks import Clicks
+from tests.strategies.parameter_server.test_strategy import batches, servers  # noqa: F401 - a fixture
 
 
 def _linear(seed: int) -> nn.Linear:
@@ -24,12 +29,13 @@ def test_two_optimizers_under_fp16_each_update_at_its_true_size():
     before = b.weight.detach().clone()
     loss = model_a(torch.full((8, 4), 6e4)).pow(2).mean() + model_b(x).mean() / 2  # a's gradient overflows fp16, b's not
     strategy.backward(loss)
-    gradient = b.weight.grad / opt_b.scaler.get_scale()
+    scale = opt_b.scaler.get_scale()
+    gradient = b.weight.grad / scale
     opt_a.step()
     opt_b.step()
     torch.testing.assert_close(before - b.weight.detach(), 1e-3 * gradient)
-    scale = opt_a.scaler.get_scale()
-    strategy.backward(model_b(x).mean())  # the next iteration's scale is updated once, halved for the inf
+    assert opt_a.scaler.get_scale() == scale / 2  # the next iteration's scale, halved for the inf
+    strategy.backward(model_b(x).mean())  # where the update runs, once
     assert opt_a.scaler.get_scale() == scale / 2
 
 
@@ -226,3 +232,54 @@ def test_fit_refuses_a_scheduler_that_needs_a_metric():
 def model():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _eager_cycle(schedule_every_micro_batch: bool) -> list[warnings.WarningMessage]:
+    strategy = loom.OneDeviceStrategy()
+    model, opt = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=0.1))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught, strategy.accumulate(2):
+        warnings.simplefilter("always")
+        for _ in range(4):
+            strategy.backward(model(torch.ones(2, 4)).mean())
+            opt.step()
+            opt.zero_grad()
+            if schedule_every_micro_batch or strategy.sync_gradients:
+                scheduler.step()
+    return [w for w in caught if "learning rate" in str(w.message)]
+
+
+def test_a_scheduler_stepped_every_micro_batch_is_warned_about_once():
+    warned = _eager_cycle(schedule_every_micro_batch=True)
+    assert len(warned) == 1, [str(w.message) for w in warned]
+    assert "step it only when strategy.sync_gradients is True" in str(warned[0].message)
+    assert _eager_cycle(schedule_every_micro_batch=False) == []
+
+
+def test_get_scale_right_after_step_is_the_updated_one():
+    """torch users log the scale after ``opt.step()``: an overflow must show there, halved, and
+    the update still run once."""
+    strategy = loom.OneDeviceStrategy(precision="16-mixed")
+    model, opt = strategy.prepare(_linear(0), lambda p: torch.optim.SGD(p, lr=1e-3))
+    before = opt.scaler.get_scale()
+    strategy.backward(model(torch.full((8, 4), 6e4)).pow(2).mean())  # overflows fp16
+    opt.step()
+    assert opt.scaler.get_scale() == before / 2
+    strategy.backward(model(torch.ones(8, 4)).mean())  # the due update runs here, once
+    assert opt.scaler.get_scale() == before / 2
+
+
+def test_parameter_server_optimizer_runs_step_hooks_as_torchs_do(servers):
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=0, num_workers=1)
+    remote, opt = strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
+    calls: list[str] = []
+    pre = opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+    ids, y = next(iter(batches(1)))
+    for _ in range(2):
+        F.binary_cross_entropy_with_logits(remote(ids), y).backward()
+        opt.step()
+        opt.zero_grad()
+        pre.remove()
+    strategy.shutdown()
+    assert calls == ["pre", "post", "post"]

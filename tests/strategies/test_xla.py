@@ -20,7 +20,7 @@ import torch
 import loom
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.optim import group_rules
-from tests.contract.cases import mlp, save_reference, sgd
+from tests.contract.cases import GLOBAL_BATCH, mlp, save_reference, sgd
 from tests.helpers import ROOT, SCRIPTS, job_env
 
 pytestmark = pytest.mark.xdist_group("xla")
@@ -111,6 +111,27 @@ def test_eager_backward_points_to_train_step(job):
     _, got = job
     assert got["backward_error"].startswith("TPUStrategy compiles forward, backward and the update into one XLA program")
     assert "train_step" in got["backward_error"] and "\n" not in got["backward_error"]
+
+
+def test_parameters_read_after_steps_are_the_trained_ones(job):
+    _, got = job
+    assert difference(got["parameters_read"], got["mlp_sgd"]["one"]["weights"]) <= TOLERANCE
+
+
+def test_a_model_computing_its_own_loss_trains_as_on_one_device(job):
+    _, got = job
+    assert difference(got["own_loss"]["xla"], got["own_loss"]["one"]) <= TOLERANCE
+
+
+def test_an_output_object_keeps_its_class(job):
+    _, got = job
+    assert got["own_loss_object"] == ("Output", (GLOBAL_BATCH, 2))
+
+
+def test_accumulate_is_refused_when_called(job):
+    _, got = job
+    assert got.get("accumulate_error", "").startswith("TPUStrategy has no eager loop for accumulate() to count: pass accumulate=k")
+    assert "\n" not in got["accumulate_error"]
 
 
 def test_the_fast_path_is_refused_in_one_line(job):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -162,6 +162,8 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.trained = list(self.dense) if trained is None else [n for n in trained if n in self.dense]  # in the optimizer
         self.tables = [m for m in model.modules() if isinstance(m, RemoteEmbedding)]
         self.remote = {m.name: m for m in self.tables if m.trained}
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()  # register_step_pre/post_hook, as on torch's optimizers
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -187,6 +189,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self._should_step():
             return None
+        return self._update(closure)
+
+    @torch.optim.Optimizer.profile_hook_step  # runs the step hooks around each push, as torch's optimizers do
+    def _update(self, closure: Any = None) -> Any:
         scaler = self.precision.scaler if self.precision is not None else None
         if closure is not None and scaler is not None:
             raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")

@@ -2,14 +2,15 @@
 
 Between steps the parameters, buffers and optimizer slots live on the XLA devices; copying
 them back after every step would stall the device. The torch objects are brought up to date
-when they are read: the module's ``state_dict`` or an eager forward (evaluation), the
-optimizer's ``state_dict`` (so checkpoints see the trained values). A ``load_state_dict``
-into either (a restore) sends the host's values to the devices before the next step.
+when they are read: the module's ``parameters()``, ``buffers()`` (and their ``named_``
+forms), its ``state_dict`` or an eager forward (evaluation), the optimizer's ``state_dict``
+(so checkpoints see the trained values). A ``load_state_dict`` into either (a restore) sends
+the host's values to the devices before the next step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -48,10 +49,10 @@ class DeviceState:
         self.module, self.optimizer, self.plan = module, optimizer, plan
         self.rules: tuple[GroupRule, ...] = group_rules(optimizer)
         group_of = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        named = dict(module.named_parameters())
+        named = dict(nn.Module.named_parameters(module))
         self.group = {name: group_of[id(p)] for name, p in named.items() if id(p) in group_of and p.requires_grad}
         self.frozen_names = [name for name in named if name not in self.group]
-        self.buffer_names = [name for name, _ in module.named_buffers()]
+        self.buffer_names = [name for name, _ in nn.Module.named_buffers(module)]
         self.params: dict[str, Any] = {}
         self.frozen: dict[str, Any] = {}
         self.buffers: dict[str, Any] = {}
@@ -65,6 +66,16 @@ class DeviceState:
         module.register_load_state_dict_post_hook(lambda *_: self.mark_host_newer())
         optimizer.register_state_dict_pre_hook(lambda *_: self.download())
         optimizer.register_load_state_dict_post_hook(lambda *_: self.mark_host_newer())
+        self.watch(module)
+
+    def watch(self, module: nn.Module) -> None:
+        """``module.parameters()`` and ``buffers()`` (``named_`` too) read the trained values, not the first ones.
+
+        torch has no hook for these reads, so the two methods that the four go through are
+        wrapped on this module object (its class is left alone).
+        """
+        for name in ("named_parameters", "named_buffers"):
+            object.__setattr__(module, name, _ReadCurrent(self, getattr(module, name)))
 
     def mark_host_newer(self) -> None:
         self.host_newer, self.device_newer = True, False
@@ -84,8 +95,8 @@ class DeviceState:
         import jax
 
         plan = self.plan
-        named = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        named = dict(nn.Module.named_parameters(self.module))
+        buffers = dict(nn.Module.named_buffers(self.module))
         put = lambda t: jax.device_put(to_numpy(t), plan.parameter(tuple(t.shape)))  # noqa: E731
         self.params = {n: put(named[n]) for n in self.group}
         self.frozen = {n: put(named[n]) for n in self.frozen_names}
@@ -103,8 +114,8 @@ class DeviceState:
         """The devices' values into the user's module and optimizer (after training, before a read)."""
         if not self.device_newer:
             return
-        named = dict(self.module.named_parameters())
-        buffers = dict(self.module.named_buffers())
+        named = dict(nn.Module.named_parameters(self.module))
+        buffers = dict(nn.Module.named_buffers(self.module))
         with torch.no_grad():
             for name, array in self.params.items():
                 named[name].copy_(to_torch(array, named[name]))
@@ -121,3 +132,19 @@ class DeviceState:
             if rule.kind == "adam":
                 state["step"] = torch.tensor(step, dtype=torch.float32)
         self.device_newer = False
+
+
+class _ReadCurrent:
+    """A module's ``named_parameters``/``named_buffers`` that first brings the devices' values back."""
+
+    def __init__(self, state: DeviceState, read: Callable[..., Any]) -> None:
+        self.state, self.read = state, read
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.state.tracing:
+            self.state.download()
+        return self.read(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        """A copy of the module is a plain module: its own method, bound to the copy."""
+        return getattr(type(self.read.__self__), self.read.__name__).__get__(memo[id(self.read.__self__)])

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loom.strategies.optimizer import inner_optimizer
+from loom.strategies.outputs import call_with_targets, map_outputs, model_loss
 from loom.strategies.step import LossFn, TrainStep, batch_len
 from loom.strategies.xla.export import export_requested, export_step
 from loom.strategies.xla.optim import GroupRule, group_hypers, group_rules, update
 from loom.strategies.xla.runtime import environment
 from loom.strategies.xla.state import DeviceState, to_torch
-from loom.strategies.xla.tree import map_tensors
 
 if TYPE_CHECKING:
     from loom.strategies.xla.strategy import TPUStrategy
@@ -36,18 +36,17 @@ class XLATrainStep(TrainStep):
         super().__init__(strategy, model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
         self.state: DeviceState = strategy.device_state(model, inner_optimizer(optimizer))
         self._programs: dict[tuple[Any, ...], Any] = {}
-        self._device_outputs: Any = None
+        self._device_outputs: Any = None  # the output's tensors, as a list of device arrays
+        self.skeleton: Any = None  # the model's output with a _Slot for each tensor, recorded when traced
         self._device_norm: Any = None
 
     # outputs and the norm stay on the devices until they are read
     @property  # type: ignore[override]
     def outputs(self) -> Any:
-        out = self._device_outputs
-        if out is None:
+        arrays = self._device_outputs
+        if arrays is None:
             return None
-        import jax
-
-        return jax.tree.map(to_torch, out)
+        return map_outputs(lambda v: to_torch(arrays[v.index]) if isinstance(v, _Slot) else v, self.skeleton)
 
     @outputs.setter
     def outputs(self, value: Any) -> None:
@@ -113,6 +112,7 @@ class _StepBody:
     """The traced function: pure in its arguments, it closes only over the module and the options."""
 
     def __init__(self, step: XLATrainStep, rules: tuple[GroupRule, ...], micro: int, data_size: int) -> None:
+        self.step = step
         self.module = step.state.module
         self.state = step.state
         self.loss_fn = step.loss_fn
@@ -176,15 +176,35 @@ class _StepBody:
         with env.override_property(prng=key, autocast_dtype=self.autocast), env:
             tp, tf, tb, tx, ty = env.j2t_iso((params, frozen, buffers, x, y))
             self.state.tracing = True
+            weights = {**tp, **tf, **tb}
             try:
-                out = torch.func.functional_call(self.module, {**tp, **tf, **tb}, (tx,))
+                if self.loss_fn is None:  # the model computes its own loss from the targets
+                    out = call_with_targets(lambda *a, **kw: torch.func.functional_call(self.module, weights, a, kw), tx, ty)
+                else:
+                    out = torch.func.functional_call(self.module, weights, (tx,))
             finally:
                 self.state.tracing = False
             if self.autocast is not None:
-                out = map_tensors(lambda t: t.float() if t.is_floating_point() else t, out)
-            loss = self.loss_fn(out, ty)
+                out = map_outputs(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+            loss = model_loss(out) if self.loss_fn is None else self.loss_fn(out, ty)
             new_buffers = {name: t.jax() for name, t in tb.items()}
-            return loss.jax() * weight, (env.t2j_iso(out), new_buffers)
+            tensors: list[torch.Tensor] = []  # JAX returns arrays in lists, not in the model's own classes
+
+            def slot(value: Any) -> Any:
+                if not isinstance(value, torch.Tensor):
+                    return value
+                tensors.append(value)
+                return _Slot(len(tensors) - 1)
+
+            self.step.skeleton = map_outputs(slot, out)
+            return loss.jax() * weight, (env.t2j_iso(tensors), new_buffers)
+
+
+class _Slot:
+    """Where the output's ``index``-th tensor goes back into the model's output."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 def batch_len_of(tree: Any) -> int:

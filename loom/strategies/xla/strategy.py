@@ -92,6 +92,8 @@ class TPUStrategy(Strategy):
         state = self._states.get(module)
         if state is None:
             state = self._states[module] = DeviceState(module, optimizer, self.plan)
+            if model is not module:  # the wrapper prepare returned reads the same parameters
+                state.watch(model)
         elif state.optimizer is not optimizer:
             raise ValueError("TPUStrategy trains a model with one optimizer: build one train_step per model")
         return state
@@ -105,6 +107,13 @@ class TPUStrategy(Strategy):
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         raise RuntimeError(BACKWARD)
+
+    def accumulate(self, steps: int) -> Any:  # type: ignore[override]
+        """Refused when called: there is no eager backward to accumulate over."""
+        raise RuntimeError(
+            "TPUStrategy has no eager loop for accumulate() to count: pass accumulate=k to "
+            "strategy.train_step(model, loss_fn, opt, accumulate=k) or to loom.fit"
+        )
 
     def next_key(self) -> Any:
         self._key, key = self._jax.random.split(self._key)
