@@ -213,7 +213,7 @@ class LocalStepOptimizer(StrategyOptimizer):
         self.replicas = replicas
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        if not self._should_step(self):
+        if not self._step_acts():
             return None
         result = self.precision.step(self.optimizer, closure)
         self.replicas.stepped()

@@ -47,11 +47,15 @@ class StrategyOptimizer(torch.optim.Optimizer):
         return self.optimizer.defaults
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        acts = self._should_step(self)
-        self._watch_schedule(acts)
-        if not acts:
+        if not self._step_acts():
             return None
         return self.precision.step(self.optimizer, closure)
+
+    def _step_acts(self) -> bool:
+        """Whether this ``step()`` updates (not inside an accumulation cycle); watches the schedule."""
+        acts = self._should_step(self)
+        self._watch_schedule(acts)
+        return acts
 
     def _watch_schedule(self, acts: bool) -> None:
         """Warn once when the learning rate moves inside an accumulation cycle: a scheduler stepped
@@ -64,7 +68,7 @@ class StrategyOptimizer(torch.optim.Optimizer):
             warnings.warn(
                 "the learning rate changed inside an accumulate() cycle, so the LR scheduler steps every micro-batch "
                 "and runs its schedule that many times too fast: step it only when strategy.sync_gradients is True",
-                stacklevel=3,
+                stacklevel=4,
             )
         self._held_lrs = None if acts else lrs
 

@@ -212,16 +212,15 @@ class ShardedPrecision(Precision):
     """bf16 (and fp16) parameters in forward and backward through FSDP's mixed-precision policy.
 
     The shards, the gradients they receive and the optimizer stay fp32; the gradients are
-    reduced in fp32. No autocast on top: the policy already runs every block in low precision.
+    reduced in fp32. No autocast on top: the policy already runs every block in low precision;
+    the wrapper only casts the outputs back to fp32, in the model's own containers (FSDP's
+    ``output_dtype`` would turn a dict subclass into a dict).
     fp16 keeps torch's GradScaler: DTensor all-reduces its overflow check over the mesh, so an
     inf in one replica's shard skips the step on every replica.
     """
 
     def autocast(self) -> ContextManager[Any]:
         return nullcontext()
-
-    def wrap(self, module: nn.Module) -> nn.Module:
-        return module
 
 
 class ShardedStrategy(Strategy):
@@ -285,8 +284,8 @@ class ShardedStrategy(Strategy):
         self.wrap = wrap
         self.reshard_after_forward = reshard_after_forward
         low = DTYPES[precision]
-        self.mp_policy = mp_policy or MixedPrecisionPolicy(
-            param_dtype=low, reduce_dtype=torch.float32 if low else None, output_dtype=torch.float32 if low else None
+        self.mp_policy = mp_policy or MixedPrecisionPolicy(  # the outputs are cast by the precision's wrapper, keeping their class
+            param_dtype=low, reduce_dtype=torch.float32 if low else None
         )
         self.offload = offload
         self.threads = apply_thread_budget(self.cluster.local_world_size) if self._device.type == "cpu" else None

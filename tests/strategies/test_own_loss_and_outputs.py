@@ -166,27 +166,39 @@ def test_bf16_mixed_hands_back_the_models_output_class_in_fp32(kind):
         assert out["logits"] is out.logits
 
 
-def _mirrored(kinds: list[str]) -> dict[str, Any]:
-    """On each of 2 ranks: the model's own loss trained under Mirrored; bf16 outputs' classes."""
-    strategy = loom.MirroredStrategy()
-    net, opt = strategy.prepare(OwnLoss("tuple"), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
-    step = strategy.train_step(net, None, opt, accumulate=2)
-    for x, y in strategy.distribute(data(48), batch_size=16, shuffle=False):
-        step(x, y)
-    weights = {k.removeprefix("net."): v.detach().clone() for k, v in loom.unwrap(net).state_dict().items()}
-    bf16 = loom.MirroredStrategy(precision="bf16-mixed")
-    classes = {}
-    for kind in kinds:
-        out = bf16.prepare(OwnLoss(kind))(torch.ones(4, 6), torch.zeros(4, dtype=torch.long))
-        classes[kind] = (type(out).__name__, out.logits.dtype == torch.float32)
-    strategy.shutdown()
-    return {"weights": weights, "classes": classes}
+STRATEGIES = {"mirrored": loom.MirroredStrategy, "tensor": loom.TensorParallelStrategy, "sharded": loom.ShardedStrategy}
+KINDS = ["model_output", "attr_dict", "dataclass", "namedtuple"]
 
 
-def test_mirrored_takes_the_models_own_loss_and_keeps_its_output_class():
-    kinds = ["model_output", "attr_dict", "dataclass", "namedtuple"]
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _trained_under_each() -> dict[str, Any]:
+    """On each of 2 ranks, under each strategy: the model's own loss trained; bf16 outputs' classes."""
+    results = {}
+    for name, make in STRATEGIES.items():
+        strategy = make()
+        net, opt = strategy.prepare(OwnLoss("tuple"), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        step = strategy.train_step(net, None, opt, accumulate=2)
+        for x, y in strategy.distribute(data(48), batch_size=16, shuffle=False):
+            step(x, y)
+        weights = {k.removeprefix("net."): _full(v.detach()).clone() for k, v in loom.unwrap(net).state_dict().items()}
+        bf16 = make(precision="bf16-mixed")
+        classes = {}
+        for kind in KINDS:
+            out = bf16.prepare(OwnLoss(kind))(torch.ones(4, 6), torch.zeros(4, dtype=torch.long))
+            classes[kind] = (type(out).__name__, (out["logits"] if isinstance(out, dict) else out.logits).dtype == torch.float32)
+        results[name] = {"weights": weights, "classes": classes}
+    return results
+
+
+def test_each_strategy_takes_the_models_own_loss_and_keeps_its_output_class():
+    """Mirrored, TensorParallel and Sharded on 2 ranks (one job) against OneDevice."""
     expected, _, _ = trained(mlp(), F.cross_entropy, accumulate=2)
-    for rank in run_ranks(_mirrored, 2, kinds, timeout=120):
-        for name, value in expected.items():
-            torch.testing.assert_close(rank["weights"][name], value)
-        assert rank["classes"] == {kind: (type(OwnLoss(kind)(torch.ones(1, 6), torch.zeros(1, dtype=torch.long))).__name__, True) for kind in kinds}
+    classes = {kind: (type(OwnLoss(kind)(torch.ones(1, 6), torch.zeros(1, dtype=torch.long))).__name__, True) for kind in KINDS}
+    for rank in run_ranks(_trained_under_each, 2, timeout=180):
+        for name, got in rank.items():
+            for key, value in expected.items():
+                torch.testing.assert_close(got["weights"][key], value, msg=lambda m: f"{name} {key}: {m}")
+            assert got["classes"] == classes, (name, got["classes"])

@@ -144,7 +144,3 @@ class _ReadCurrent:
         if not self.state.tracing:
             self.state.download()
         return self.read(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        """A copy of the module is a plain module: its own method, bound to the copy."""
-        return getattr(type(self.read.__self__), self.read.__name__).__get__(memo[id(self.read.__self__)])

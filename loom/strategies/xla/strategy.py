@@ -111,8 +111,8 @@ class TPUStrategy(Strategy):
     def accumulate(self, steps: int) -> Any:  # type: ignore[override]
         """Refused when called: there is no eager backward to accumulate over."""
         raise RuntimeError(
-            "TPUStrategy has no eager loop for accumulate() to count: pass accumulate=k to "
-            "strategy.train_step(model, loss_fn, opt, accumulate=k) or to loom.fit"
+            "TPUStrategy compiles forward, backward and the update into one XLA program, so there is no eager loop for "
+            "accumulate() to count: pass accumulate=k to strategy.train_step(model, loss_fn, opt, accumulate=k) or to loom.fit"
         )
 
     def next_key(self) -> Any:
