@@ -110,6 +110,7 @@ class HybridStrategy(MeshStrategy):
         refuse_fast_path(type(self).__name__, fast_path)
         if self._pipeline is None or not isinstance(model, nn.Module):
             return super().prepare(model, optimizer)
+        self._announce()  # the job's first line, before the split's description
         if optimizer is not None and (isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer)):
             raise TypeError(
                 "HybridStrategy with a pp axis builds the optimizer on this stage's parameters once they are sharded: "

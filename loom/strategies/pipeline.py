@@ -33,6 +33,7 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.fast_path import refuse as refuse_fast_path
+from loom.strategies.mesh import broadcast_states
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
 from loom.strategies.pipeline_state import held_tensors, named_groups, stage_view
@@ -146,6 +147,7 @@ class PipelineStrategy(Strategy):
         refuse_fast_path(type(self).__name__, fast_path)
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
+        self._announce()  # the job's first line, before the split's description
         compiled, model = _compiled(model), unwrap(model)  # torch.compile(model): its stages' blocks are compiled alike
         if isinstance(optimizer, torch.optim.Optimizer):
             ids = {id(p) for p in model.parameters()}
@@ -154,6 +156,9 @@ class PipelineStrategy(Strategy):
                     "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
                     "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
                 )
+        if self.dp_group is None and self.group is None:  # Hybrid broadcasts to every replica before it splits
+            with self._guard():
+                broadcast_states(model, self._device)  # each stage starts from rank 0's model, whatever each rank seeded
         layers = find_layers(model, self.split_points)
         refuse_batchnorm(model)
         bounds = self._bounds(layers)
