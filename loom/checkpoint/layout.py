@@ -6,7 +6,7 @@
         loom.json               everything else (step, epoch, strategy, world size, optimizer
                                 hyper-parameters, input position, user values), from rank 0
         rank-00000.json ...     each replica's RNG states
-        COMMITTED               written last, before the rename: every file's size
+        COMMITTED               written last, before the rename: every file's size and SHA-256
       .tmp-step-00000140/       a save in progress, or one cut short (kill -9): never read
       .replaced-step-00000120/  step 120 saved again: the old copy, until the new one is in place
 
@@ -14,20 +14,29 @@ A rename within one filesystem is atomic, so a reader sees a whole checkpoint or
 interrupted at any point leaves the previous checkpoints as they were. A step saved again
 replaces its checkpoint by two renames, and one of the two copies is found at every moment.
 In a job of several nodes the root must be on storage that every node sees.
+
+``COMMITTED`` is what a reader trusts: a file it does not list is never read, and a listed
+file whose size or digest differs is damage, named by the file. Checkpoints written before
+digests were recorded list sizes only; they are still read, their sizes checked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
+DIGEST = "sha256"  # hashlib's name, and the key of the digests in MARKER
+HASH_THREADS = 8  # hashlib releases the GIL: files are hashed side by side
 _STEP = re.compile(r"^step-(\d+)$")
 _REPLACED = re.compile(r"^\.replaced-step-(\d+)$")
 
@@ -78,13 +87,15 @@ def resolve(path: str | os.PathLike) -> Path | None:
 
 
 def commit(temp: Path, final: Path) -> None:
-    """Record every file's size, then make the checkpoint visible in one rename.
+    """Record every file's size and digest, then make the checkpoint visible in one rename.
 
     A step saved again keeps its old checkpoint, renamed aside, until the new one has its name.
     """
-    sizes = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
+    files = sorted(p for p in temp.iterdir() if p.is_file())
+    digests = digest_files(files)
     marker = temp / MARKER
-    marker.write_text(json.dumps({"files": sizes}, indent=1))
+    listing = {"files": {p.name: p.stat().st_size for p in files}, DIGEST: {p.name: d for p, d in zip(files, digests)}}
+    marker.write_text(json.dumps(listing, indent=1))
     _fsync(marker)
     _fsync(temp)
     if not final.exists():
@@ -98,6 +109,24 @@ def commit(temp: Path, final: Path) -> None:
     os.rename(temp, final)
     _fsync(final.parent)
     shutil.rmtree(aside)
+
+
+def digest_files(files: list[Path], unreadable: str | None = None) -> list[str]:
+    """Each file's hex digest, several files at once; ``unreadable`` stands for a file that cannot be read (None: raise)."""
+
+    def one(file: Path) -> str:
+        try:
+            with open(file, "rb") as f:
+                return hashlib.file_digest(f, DIGEST).hexdigest()
+        except OSError:
+            if unreadable is None:
+                raise
+            return unreadable
+
+    if len(files) < 2:
+        return [one(f) for f in files]
+    with ThreadPoolExecutor(min(len(files), HASH_THREADS), thread_name_prefix="loom-digest") as pool:
+        return list(pool.map(one, files))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -120,19 +149,66 @@ def clear_temp(temp: Path) -> None:
     temp.mkdir(parents=True)
 
 
-def verify(path: Path) -> None:
-    """Every file the marker lists is there with its size: catches truncation and deletion."""
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint's ``COMMITTED`` lists: each file's size, and its digest (None: saved before digests)."""
+
+    path: Path
+    sizes: dict[str, int]
+    digests: dict[str, str] | None
+
+    def intact(self, name: str) -> bool:
+        """Whether the file ``name`` has the digest recorded (True when none was: saved before digests)."""
+        return self.digests is None or digest_files([self.path / name], unreadable="")[0] == self.digests[name]
+
+    def check(self, names: Iterable[str]) -> None:
+        """Raise, naming the file, when one of ``names`` differs from its recorded digest."""
+        if self.digests is None:
+            return
+        names = list(names)
+        for name, actual in zip(names, digest_files([self.path / n for n in names], unreadable="")):
+            if actual != self.digests[name]:
+                raise CheckpointError(damage(self.path / name))
+
+
+def damage(file: Path) -> str:
+    return f"{file}: damaged: its content differs from the {DIGEST} recorded when it was saved"
+
+
+def manifest(path: Path) -> Manifest:
+    """The checkpoint's ``COMMITTED``; an error naming it when it is unreadable or lists a path outside the checkpoint."""
+    marker = path / MARKER
     try:
-        sizes = json.loads((path / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{path / MARKER}: unreadable ({error}); the checkpoint is damaged") from error
-    for name, size in sizes.items():
+        listing = json.loads(marker.read_text())
+        sizes, digests = listing["files"], listing.get(DIGEST)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{marker}: unreadable ({error}); the checkpoint is damaged") from error
+    if not isinstance(sizes, dict) or not all(_plain_name(n) and type(s) is int and s >= 0 for n, s in sizes.items()):
+        raise CheckpointError(f"{marker}: damaged: its file list is not file names with sizes")
+    if digests is not None and (not isinstance(digests, dict) or set(digests) != set(sizes) or not all(isinstance(d, str) for d in digests.values())):
+        raise CheckpointError(f"{marker}: damaged: its {DIGEST} digests do not match its file list")
+    return Manifest(path, sizes, digests)
+
+
+def _plain_name(name: Any) -> bool:
+    """A file directly in the checkpoint directory: no separator, no '..', not the marker itself."""
+    return isinstance(name, str) and name not in ("", ".", "..", MARKER) and not any(c in name for c in "/\\\0")
+
+
+def verify(path: Path, contents: bool = True) -> Manifest:
+    """Every file the marker lists is there with its size (truncation, deletion), and with
+    ``contents`` its digest (any other change)."""
+    listed = manifest(path)
+    for name, size in listed.sizes.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint")
         actual = file.stat().st_size
         if actual != size:
             raise CheckpointError(f"{file}: truncated or altered ({actual} bytes, {size} when saved)")
+    if contents:
+        listed.check(listed.sizes)
+    return listed
 
 
 def _fsync(path: Path) -> None:
