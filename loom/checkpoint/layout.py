@@ -6,7 +6,8 @@
         loom.json               everything else (step, epoch, strategy, world size, optimizer
                                 hyper-parameters, input position, user values), from rank 0
         rank-00000.json ...     each replica's RNG states
-        COMMITTED               written last, before the rename: every file's size and SHA-256
+        COMMITTED               written last, before the rename: every file's size, and the
+                                SHA-256 of each 16 MiB of it
       .tmp-step-00000140/       a save in progress, or one cut short (kill -9): never read
       .replaced-step-00000120/  step 120 saved again: the old copy, until the new one is in place
 
@@ -36,7 +37,8 @@ from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
 DIGEST = "sha256"  # hashlib's name, and the key of the digests in MARKER
-HASH_THREADS = 8  # hashlib releases the GIL: files are hashed side by side
+BLOCK = 2**24  # bytes a digest covers: a reader checks the blocks it needs first, several at once
+HASH_THREADS = 8  # at most; hashlib releases the GIL
 _STEP = re.compile(r"^step-(\d+)$")
 _REPLACED = re.compile(r"^\.replaced-step-(\d+)$")
 
@@ -92,9 +94,9 @@ def commit(temp: Path, final: Path) -> None:
     A step saved again keeps its old checkpoint, renamed aside, until the new one has its name.
     """
     files = sorted(p for p in temp.iterdir() if p.is_file())
-    digests = digest_files(files)
+    sizes = {p.name: p.stat().st_size for p in files}
     marker = temp / MARKER
-    listing = {"files": {p.name: p.stat().st_size for p in files}, DIGEST: {p.name: d for p, d in zip(files, digests)}}
+    listing = {"files": sizes, DIGEST: dict(zip(sizes, digests(temp, sizes)))}
     marker.write_text(json.dumps(listing, indent=1))
     _fsync(marker)
     _fsync(temp)
@@ -111,22 +113,41 @@ def commit(temp: Path, final: Path) -> None:
     shutil.rmtree(aside)
 
 
-def digest_files(files: list[Path], unreadable: str | None = None) -> list[str]:
-    """Each file's hex digest, several files at once; ``unreadable`` stands for a file that cannot be read (None: raise)."""
+def digests(path: Path, sizes: dict[str, int], unreadable: str | None = None) -> list[list[str]]:
+    """The block digests of each file ``sizes`` lists in ``path``, hashed on several threads.
 
-    def one(file: Path) -> str:
-        try:
-            with open(file, "rb") as f:
-                return hashlib.file_digest(f, DIGEST).hexdigest()
-        except OSError:
-            if unreadable is None:
-                raise
-            return unreadable
+    ``unreadable`` stands for a block that cannot be read (None: raise).
+    """
+    blocks = [(path / name, i) for name, size in sizes.items() for i in range(blocks_of(size))]
+    with ThreadPoolExecutor(hash_threads() + 1, thread_name_prefix="loom-digest") as pool:
+        found = iter(pool.map(lambda block: digest_block(*block, unreadable), blocks))
+    return [[next(found) for _ in range(blocks_of(size))] for size in sizes.values()]
 
-    if len(files) < 2:
-        return [one(f) for f in files]
-    with ThreadPoolExecutor(min(len(files), HASH_THREADS), thread_name_prefix="loom-digest") as pool:
-        return list(pool.map(one, files))
+
+def blocks_of(size: int) -> int:
+    return max(1, -(-size // BLOCK))
+
+
+def digest_block(file: Path, index: int, unreadable: str | None = None) -> str:
+    """The hex digest of the ``index``-th BLOCK bytes of ``file``."""
+    digest, buffer = hashlib.new(DIGEST), memoryview(bytearray(2**20))
+    try:
+        with open(file, "rb") as f:
+            f.seek(index * BLOCK)
+            left = BLOCK
+            while left and (n := f.readinto(buffer[: min(left, len(buffer))])):
+                digest.update(buffer[:n])
+                left -= n
+    except OSError:
+        if unreadable is None:
+            raise
+        return unreadable
+    return digest.hexdigest()
+
+
+def hash_threads() -> int:
+    """Threads to hash with beside one busy thread (reading, or the caller): one per other core."""
+    return max(1, min(HASH_THREADS, len(os.sched_getaffinity(0)) - 1))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -151,23 +172,23 @@ def clear_temp(temp: Path) -> None:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a checkpoint's ``COMMITTED`` lists: each file's size, and its digest (None: saved before digests)."""
+    """What a checkpoint's ``COMMITTED`` lists: each file's size, and its block digests (None: saved before digests)."""
 
     path: Path
     sizes: dict[str, int]
-    digests: dict[str, str] | None
+    digests: dict[str, list[str]] | None
 
-    def intact(self, name: str) -> bool:
-        """Whether the file ``name`` has the digest recorded (True when none was: saved before digests)."""
-        return self.digests is None or digest_files([self.path / name], unreadable="")[0] == self.digests[name]
+    def intact(self, name: str, block: int) -> bool:
+        """Whether a block of the file ``name`` has the digest recorded (True when none was)."""
+        return self.digests is None or digest_block(self.path / name, block, unreadable="") == self.digests[name][block]
 
     def check(self, names: Iterable[str]) -> None:
-        """Raise, naming the file, when one of ``names`` differs from its recorded digest."""
+        """Raise, naming the file, when one of ``names`` differs from its recorded digests."""
         if self.digests is None:
             return
         names = list(names)
-        for name, actual in zip(names, digest_files([self.path / n for n in names], unreadable="")):
-            if actual != self.digests[name]:
+        for name, found in zip(names, digests(self.path, {n: self.sizes[n] for n in names}, unreadable="")):
+            if found != self.digests[name]:
                 raise CheckpointError(damage(self.path / name))
 
 
@@ -185,9 +206,17 @@ def manifest(path: Path) -> Manifest:
         raise CheckpointError(f"{marker}: unreadable ({error}); the checkpoint is damaged") from error
     if not isinstance(sizes, dict) or not all(_plain_name(n) and type(s) is int and s >= 0 for n, s in sizes.items()):
         raise CheckpointError(f"{marker}: damaged: its file list is not file names with sizes")
-    if digests is not None and (not isinstance(digests, dict) or set(digests) != set(sizes) or not all(isinstance(d, str) for d in digests.values())):
+    if digests is not None and not _digests_of(digests, sizes):
         raise CheckpointError(f"{marker}: damaged: its {DIGEST} digests do not match its file list")
     return Manifest(path, sizes, digests)
+
+
+def _digests_of(digests: Any, sizes: dict[str, int]) -> bool:
+    """Whether ``digests`` has, for each file ``sizes`` lists, one digest per block."""
+    return (
+        isinstance(digests, dict) and set(digests) == set(sizes)
+        and all(isinstance(d, list) and len(d) == blocks_of(sizes[n]) and all(isinstance(h, str) for h in d) for n, d in digests.items())
+    )  # fmt: skip
 
 
 def _plain_name(name: Any) -> bool:

@@ -18,13 +18,12 @@ nothing in them that DCP would read other than as a tensor.
 
 from __future__ import annotations
 
-import io
 import pickle
 import warnings
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePath
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from loom.checkpoint.layout import HASH_THREADS, Manifest, damage, manifest
+from loom.checkpoint.layout import BLOCK, Manifest, damage, hash_threads, manifest
 from loom.compat import DCP_INDEX_CLASSES, dcp_index_path, dcp_storage_info
 from loom.errors import CheckpointError
 
@@ -58,14 +57,15 @@ class _IndexUnpickler(pickle.Unpickler):
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """DCP's file reader, given the index ``read_index`` checked: it reads tensors only, each
-    from a file whose digest it checks meanwhile, and copies a file's tensors into the objects
-    being restored only once that file is found intact."""
+    """DCP's file reader, given the index ``read_index`` checked. It reads tensors only (DCP reads
+    them with ``weights_only=True``), checks the digest of each file it reads from meanwhile,
+    and lets a file's tensors into the objects being restored only once that file is intact."""
 
     def __init__(self, path: str | Path, metadata: Metadata, listed: Manifest) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._listed = listed
+        self._reading: Any = None  # the storage entry DCP reads now
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if getattr(self._metadata, "storage_meta", None) is None:
@@ -73,49 +73,65 @@ class SafeFileSystemReader(FileSystemReader):
         self._metadata.storage_meta.load_id = self.load_id
         return self._metadata
 
-    def read_data(self, plan: Any, planner: Any) -> torch.futures.Future[None]:
-        """DCP's ``read_data`` less its ``torch.load(weights_only=False)`` of bytes entries, with digests checked."""
-        by_file: dict[str, list[Any]] = {}
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        """DCP's reading, with each file's digest checked on other threads while it reads."""
         for item in plan.items:
-            if item.type == LoadItemType.BYTE_IO:
+            if item.type == LoadItemType.BYTE_IO:  # DCP would torch.load it with weights_only=False
                 raise CheckpointError(f"{index_file(Path(self.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
-            by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="loom-digest")
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        blocks = list(dict.fromkeys(block for info in infos for block in _blocks(info)))  # in the order DCP reads them
+        pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="loom-digest")
         try:
-            intact = {name: pool.submit(self._listed.intact, name) for name in sorted(by_file)}
-            for name, check in intact.items():
-                loaded = self._read_file(name, by_file[name])
-                if not check.result():
-                    raise CheckpointError(damage(Path(self.path) / name))
-                for item, tensor in loaded:
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
-                        raise CheckpointError(f"{Path(self.path) / name}: '{item.storage_index.fqn}' holds {list(tensor.size())} where its index says {list(target.size())}")
-                    target.copy_(tensor)
-                    planner.commit_tensor(item, target)
+            intact = {block: pool.submit(self._listed.intact, *block) for block in blocks} if self._listed.digests else {}
+            try:
+                return super().read_data(plan, _AfterDigest(planner, self, intact))
+            except CheckpointError:
+                raise
+            except Exception as error:  # damage explains it best; else name the tensor (torch's words advise weights_only=False)
+                self._check(intact, blocks)
+                raise CheckpointError(f"{self._where()} is not a tensor that loads with weights_only=True ({type(error).__name__})") from error
         finally:
             pool.shutdown(cancel_futures=True)
-        done: torch.futures.Future[None] = torch.futures.Future()
-        done.set_result(None)
-        return done
 
-    def _read_file(self, name: str, items: list[Any]) -> list[tuple[Any, torch.Tensor]]:
-        """The pieces of tensors ``items`` ask for, from one file, each read with ``weights_only``."""
-        loaded = []
-        with open(Path(self.path) / name, "rb") as file:
-            for item in items:
-                info = self.storage_data[item.storage_index]
-                file.seek(info.offset)
-                try:
-                    tensor = torch.load(io.BytesIO(file.read(info.length)), map_location="cpu", weights_only=True)
-                except Exception as error:  # torch's own words advise weights_only=False: never here
-                    where = f"{Path(self.path) / name}: '{item.storage_index.fqn}' (bytes {info.offset}-{info.offset + info.length})"
-                    raise CheckpointError(f"{where} is not a tensor that loads with weights_only=True ({type(error).__name__})") from error
-                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
-                    if tensor.size(dim) != length:
-                        tensor = tensor.narrow(dim, start, length)
-                loaded.append((item, tensor))
-        return loaded
+    def _check(self, intact: dict[tuple[str, int], Future], blocks: Iterable[tuple[str, int]]) -> None:
+        for block in blocks:
+            if block in intact and not intact[block].result():
+                raise CheckpointError(damage(Path(self.path) / block[0]))
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        self._reading = sinfo  # DCP slices each entry's bytes out of its file just before loading them
+        return super()._slice_file(file, sinfo)
+
+    def _where(self) -> str:
+        info = self._reading
+        if info is None:
+            return f"{self.path}: a tensor"
+        key = next((i.fqn for i, s in self.storage_data.items() if s is info), "?")
+        return f"{Path(self.path) / info.relative_path}: '{key}' (bytes {info.offset}-{info.offset + info.length})"
+
+
+class _AfterDigest:
+    """The planner DCP's ``read_data`` copies tensors through (``resolve_tensor``, then
+    ``commit_tensor``): a tensor is handed its target only once its file's digest matched."""
+
+    def __init__(self, planner: Any, reader: SafeFileSystemReader, intact: dict[tuple[str, int], Future]) -> None:
+        self._planner, self._reader, self._intact = planner, reader, intact
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        self._reader._check(self._intact, _blocks(self._reader.storage_data[item.storage_index]))
+        return self._planner.resolve_tensor(item)
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        self._planner.commit_tensor(item, tensor)
+
+    def load_bytes(self, item: Any, value: Any) -> None:
+        raise CheckpointError(f"{index_file(Path(self._reader.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
+
+
+def _blocks(info: Any) -> list[tuple[str, int]]:
+    """The digest blocks a storage entry's bytes lie in."""
+    first, last = info.offset // BLOCK, (info.offset + max(info.length, 1) - 1) // BLOCK
+    return [(info.relative_path, block) for block in range(first, last + 1)]
 
 
 @contextmanager

@@ -1,6 +1,5 @@
 """Checkpoints that were tampered with or damaged: nothing in them runs, nothing damaged loads, fallback passes them."""
 
-import hashlib
 import json
 import shutil
 
@@ -80,13 +79,18 @@ def test_an_index_entry_with_a_field_dcp_does_not_write_is_refused_naming_the_ke
         strategy.restore(tmp_path / "ckpt", model=model)
 
 
-def test_the_commit_records_every_file_s_sha256(tmp_path):
+def test_the_commit_records_the_sha256_of_each_16_mib_of_every_file(tmp_path):
     strategy, model, opt = _trained()
-    path = strategy.save(tmp_path, step=1, model=model, optimizer=opt)
+    path = strategy.save(tmp_path, step=1, model=model, optimizer=opt, big=torch.arange(2**23, dtype=torch.float32))  # 32 MiB
     listing = json.loads((path / "COMMITTED").read_text())
     files = sorted(p.name for p in path.iterdir() if p.name != "COMMITTED")
     assert sorted(listing["files"]) == sorted(listing["sha256"]) == files
-    assert all(listing["sha256"][n] == hashlib.sha256((path / n).read_bytes()).hexdigest() for n in files)
+    assert all(listing["sha256"][n] == tamper.block_digests(path / n) for n in files)
+    assert max(len(d) for d in listing["sha256"].values()) == 3  # 32 MiB and the zip's few bytes more
+    damaged = _largest_tensor_file(path)
+    tamper.flip(damaged)  # in its second block
+    with pytest.raises(CheckpointError, match=rf"^{damaged}: damaged: its content differs from the sha256"):
+        strategy.restore(tmp_path, model=model, optimizer=opt, big=torch.zeros(2**23))
 
 
 def test_flipped_bytes_are_named_and_no_damaged_value_reaches_the_model(tmp_path):
