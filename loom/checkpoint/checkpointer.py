@@ -223,8 +223,9 @@ class Checkpointer:
     def _restore(self, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
         listed = layout.verify(path, contents=False)  # every file there, at its size
         mine = path / f"rank-{self.rank:05d}.json"
-        first = [n for n in (index_file(path).name, "loom.json", mine.name) if n in listed.sizes]
-        listed.check(first)  # what decides what to read is checked before it is read; the tensors' files as they are read
+        # What decides what to read is checked before it is read, the same files on every rank;
+        # the tensors' files as DCP reads them.
+        listed.check([index_file(path).name] + [n for n in listed.sizes if n.endswith(".json")])
         meta = layout.read_json(path / "loom.json")
         if meta.get("format") != FORMAT:
             raise CheckpointMismatchError(

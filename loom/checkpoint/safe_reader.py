@@ -58,8 +58,8 @@ class _IndexUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, given the index ``read_index`` checked. It reads tensors only (DCP reads
-    them with ``weights_only=True``), checks the digest of each file it reads from meanwhile,
-    and lets a file's tensors into the objects being restored only once that file is intact."""
+    them with ``weights_only=True``), checks the digests of the blocks it reads on other threads
+    meanwhile, and lets a tensor into the objects being restored only once its blocks match."""
 
     def __init__(self, path: str | Path, metadata: Metadata, listed: Manifest) -> None:
         super().__init__(path)
@@ -74,10 +74,10 @@ class SafeFileSystemReader(FileSystemReader):
         return self._metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's reading, with each file's digest checked on other threads while it reads."""
+        """DCP's reading, with the digests of the blocks it reads checked on other threads meanwhile."""
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:  # DCP would torch.load it with weights_only=False
-                raise CheckpointError(f"{index_file(Path(self.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
+                raise _stored_as_bytes(self, item)
         infos = [self.storage_data[item.storage_index] for item in plan.items]
         blocks = list(dict.fromkeys(block for info in infos for block in _blocks(info)))  # in the order DCP reads them
         pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="loom-digest")
@@ -99,20 +99,23 @@ class SafeFileSystemReader(FileSystemReader):
                 raise CheckpointError(damage(Path(self.path) / block[0]))
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
-        self._reading = sinfo  # DCP slices each entry's bytes out of its file just before loading them
+        """DCP slices each entry's bytes out of its file just before loading them (a private hook:
+        should torch rename it, errors name the checkpoint instead of the tensor)."""
+        self._reading = sinfo
         return super()._slice_file(file, sinfo)
 
     def _where(self) -> str:
         info = self._reading
         if info is None:
-            return f"{self.path}: a tensor"
+            return f"{self.path}: an entry"
         key = next((i.fqn for i, s in self.storage_data.items() if s is info), "?")
         return f"{Path(self.path) / info.relative_path}: '{key}' (bytes {info.offset}-{info.offset + info.length})"
 
 
 class _AfterDigest:
     """The planner DCP's ``read_data`` copies tensors through (``resolve_tensor``, then
-    ``commit_tensor``): a tensor is handed its target only once its file's digest matched."""
+    ``commit_tensor``, ``load_bytes``: ``StorageReader.read_data``'s contract): a tensor is handed
+    its target only once the blocks it was read from match their digests."""
 
     def __init__(self, planner: Any, reader: SafeFileSystemReader, intact: dict[tuple[str, int], Future]) -> None:
         self._planner, self._reader, self._intact = planner, reader, intact
@@ -125,7 +128,11 @@ class _AfterDigest:
         self._planner.commit_tensor(item, tensor)
 
     def load_bytes(self, item: Any, value: Any) -> None:
-        raise CheckpointError(f"{index_file(Path(self._reader.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
+        raise _stored_as_bytes(self._reader, item)
+
+
+def _stored_as_bytes(reader: FileSystemReader, item: Any) -> CheckpointError:
+    return CheckpointError(f"{index_file(Path(reader.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
 
 
 def _blocks(info: Any) -> list[tuple[str, int]]:
