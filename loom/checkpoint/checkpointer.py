@@ -236,7 +236,7 @@ class Checkpointer:
         tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"}, meta["plain"])
         missing, unexpected = check_match(flatten(tensors), index.state_dict_metadata, path, strict)
         tensors = without(tensors, set(missing))
-        load(tensors, path, index, listed, self._checkpoint_group())  # checks each file's digest before using it
+        load(tensors, path, index, listed, self._checkpoint_group())  # each tensor once its blocks' digests match
         apply(state, meta["kinds"], merge(tensors, meta["plain"]), strict)
         if mine.name in listed.sizes and meta["world_size"] == self.world_size:
             set_rng_state(layout.read_json(mine)["rng"])

@@ -18,8 +18,12 @@ def find(path: str | Path) -> tuple[Path, layout.Manifest]:
     """The checkpoint ``path`` names, or the newest complete one under it, with its files' sizes checked."""
     found = layout.resolve(path)
     if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
+        raise _none_here(path)
     return found, layout.verify(found, contents=False)
+
+
+def _none_here(path: str | Path) -> CheckpointError:
+    return CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
 
 
 def check(path: Path) -> str:
@@ -39,7 +43,7 @@ def verify(path: str | Path) -> list[tuple[Path, bool, str]]:
     path = Path(path)
     found = [path] if (path / layout.MARKER).is_file() else layout.committed(path)
     if not found:
-        raise CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
+        raise _none_here(path)
     results: list[tuple[Path, bool, str]] = []
     for checkpoint in found:
         try:

@@ -1,7 +1,9 @@
 """Checkpoints that were tampered with or damaged: nothing in them runs, nothing damaged loads, fallback passes them."""
 
 import json
+import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from loom.checkpoint.describe import describe, export
 from loom.errors import CheckpointError
 from loom.launch.cli import main as cli
 from tests.checkpoint import tamper
+from tests.helpers import loom_run
 from tests.scripts.fit_job import data
 
 
@@ -191,3 +194,15 @@ def test_a_checkpoint_saved_before_digests_still_restores_and_verify_says_so(tmp
     assert all(torch.equal(a, b) for a, b in zip(_values(fresh_model), _values(model)))
     assert cli(["checkpoint", "verify", str(tmp_path)]) == 0
     assert "sizes intact, contents unchecked: saved before loom recorded digests" in capsys.readouterr().out
+
+
+def test_every_replica_refuses_a_damaged_checkpoint_in_the_same_line_and_falls_back_together(tmp_path):
+    run = loom_run(["run", "--nproc", "2", str(Path(__file__).parent / "damaged_job.py"), str(tmp_path)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    refused = sorted(line.split(": refused: ", 1)[1] for line in run.stdout.splitlines() if ": refused: " in line)
+    assert len(refused) == 2 and refused[0] == refused[1], run.stdout
+    assert re.match(rf"{tmp_path}/step-00000002/__\d_\d\.distcp: damaged: its content differs from the sha256", refused[0])
+    assert sorted(line for line in run.stdout.splitlines() if "fell back" in line) == [
+        f"replica {r}: fell back to step 1, weights equal" for r in (0, 1)
+    ]
+    assert "skipping a damaged checkpoint" in run.stderr
