@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from loom.devices import available_cores
 from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
@@ -147,7 +148,7 @@ def digest_block(file: Path, index: int, unreadable: str | None = None) -> str:
 
 def hash_threads() -> int:
     """Threads to hash with beside one busy thread (reading, or the caller): one per other core."""
-    return max(1, min(HASH_THREADS, len(os.sched_getaffinity(0)) - 1))
+    return max(1, min(HASH_THREADS, available_cores() - 1))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -201,14 +202,14 @@ def manifest(path: Path) -> Manifest:
     marker = path / MARKER
     try:
         listing = json.loads(marker.read_text())
-        sizes, digests = listing["files"], listing.get(DIGEST)
+        sizes, recorded = listing["files"], listing.get(DIGEST)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{marker}: unreadable ({error}); the checkpoint is damaged") from error
     if not isinstance(sizes, dict) or not all(_plain_name(n) and type(s) is int and s >= 0 for n, s in sizes.items()):
         raise CheckpointError(f"{marker}: damaged: its file list is not file names with sizes")
-    if digests is not None and not _digests_of(digests, sizes):
+    if recorded is not None and not _digests_of(recorded, sizes):
         raise CheckpointError(f"{marker}: damaged: its {DIGEST} digests do not match its file list")
-    return Manifest(path, sizes, digests)
+    return Manifest(path, sizes, recorded)
 
 
 def _digests_of(digests: Any, sizes: dict[str, int]) -> bool:
