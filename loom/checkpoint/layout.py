@@ -184,10 +184,13 @@ class Manifest:
         return self.digests is None or digest_block(self.path / name, block, unreadable="") == self.digests[name][block]
 
     def check(self, names: Iterable[str]) -> None:
-        """Raise, naming the file, when one of ``names`` differs from its recorded digests."""
+        """Raise, naming the file, when one of ``names`` is not listed or differs from its recorded digests."""
+        names = list(names)
+        for name in names:
+            if name not in self.sizes:
+                raise CheckpointError(f"{self.path / name}: not listed in {MARKER}: this is not a complete checkpoint")
         if self.digests is None:
             return
-        names = list(names)
         for name, found in zip(names, digests(self.path, {n: self.sizes[n] for n in names}, unreadable="")):
             if found != self.digests[name]:
                 raise CheckpointError(damage(self.path / name))

@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from loom.checkpoint.layout import BLOCK, Manifest, damage, hash_threads, manifest
+from loom.checkpoint.layout import BLOCK, MARKER, Manifest, damage, hash_threads
 from loom.compat import DCP_INDEX_CLASSES, dcp_index_path, dcp_storage_info
 from loom.errors import CheckpointError
 
@@ -174,13 +174,14 @@ def load(tensors: dict[str, Any], checkpoint: Path, index: Metadata, listed: Man
         raise CheckpointError(f"{checkpoint}: could not be read ({type(cause).__name__}: {lines[0] if lines else ''})") from error
 
 
-def read_index(checkpoint: Path, listed: Manifest | None = None) -> Metadata:
+def read_index(checkpoint: Path, listed: Manifest) -> Metadata:
     """A checkpoint's DCP index, checked to be one loom wrote; an error naming the file (and the key) otherwise.
 
-    ``listed``: the checkpoint's ``COMMITTED``, already read; storage may point only at its files.
+    ``listed``: the checkpoint's ``COMMITTED``; storage may point only at its files.
     """
     path = index_file(checkpoint)
-    listed = listed or manifest(checkpoint)
+    if path.name not in listed.sizes:
+        raise CheckpointError(f"{path}: not listed in {MARKER}: this is not a complete checkpoint")
     try:
         with open(path, "rb") as file:
             metadata = _IndexUnpickler(file).load()

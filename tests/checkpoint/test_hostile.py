@@ -82,6 +82,17 @@ def test_an_index_entry_with_a_field_dcp_does_not_write_is_refused_naming_the_ke
         strategy.restore(tmp_path / "ckpt", model=model)
 
 
+def test_a_file_the_marker_does_not_list_is_never_read(tmp_path):
+    strategy, model, _ = _trained()
+    path = strategy.save(tmp_path, step=1, model=model)
+    listing = json.loads((path / "COMMITTED").read_text())
+    for part in ("files", "sha256"):
+        del listing[part][".metadata"]
+    (path / "COMMITTED").write_text(json.dumps(listing))
+    with pytest.raises(CheckpointError, match=rf"^{path}/\.metadata: not listed in COMMITTED: this is not a complete checkpoint"):
+        strategy.restore(tmp_path, model=model)
+
+
 def test_the_commit_records_the_sha256_of_each_16_mib_of_every_file(tmp_path):
     strategy, model, opt = _trained()
     path = strategy.save(tmp_path, step=1, model=model, optimizer=opt, big=torch.arange(2**23, dtype=torch.float32))  # 32 MiB
