@@ -95,7 +95,7 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
     if args.action == "verify":
         results = verify(args.directory)
         for path, intact, said in results:
-            print(f"{path}: {said}" if intact else f"damaged: {said}", file=sys.stdout if intact else sys.stderr)
+            print(f"{path}: {said}" if intact else said, file=sys.stdout if intact else sys.stderr)  # a damage names its file
         return 0 if all(intact for _, intact, _ in results) else 1
     if args.action == "export":
         out = export(args.directory, args.output, args.name)

@@ -52,7 +52,7 @@ def test_a_bytes_entry_in_the_index_runs_nothing_and_is_refused_naming_file_and_
     with pytest.raises(CheckpointError, match=refused):
         export(path, tmp_path / "model.safetensors")
     assert cli(["checkpoint", "verify", str(path)]) == 1
-    assert capsys.readouterr().err.splitlines() == [f"damaged: {path}/.metadata: 'model.0.weight' is a BytesStorageMetadata, "
+    assert capsys.readouterr().err.splitlines() == [f"{path}/.metadata: 'model.0.weight' is a BytesStorageMetadata, "
                                                     "not the TensorStorageMetadata loom writes for a tensor: refusing to read this checkpoint"]  # fmt: skip
     assert not marker.exists(), "the checkpoint's pickle ran"
 
@@ -188,8 +188,8 @@ def test_verify_names_each_damaged_checkpoint_and_exits_nonzero(tmp_path, capsys
     assert cli(["checkpoint", "verify", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        f"damaged: {flipped}: damaged: its content differs from the sha256 recorded when it was saved",
-        f"damaged: {truncated}: truncated or altered ({truncated.stat().st_size} bytes, {truncated.stat().st_size + 5} when saved)",
+        f"{flipped}: damaged: its content differs from the sha256 recorded when it was saved",
+        f"{truncated}: truncated or altered ({truncated.stat().st_size} bytes, {truncated.stat().st_size + 5} when saved)",
     ]
     assert captured.out.startswith(f"{tmp_path / 'step-00000002'}: intact (")
     assert cli(["checkpoint", "verify", str(tmp_path / "step-00000002")]) == 0
