@@ -1,13 +1,16 @@
 """Checkpoint speed: loom's DCP-based save and restore against torch.save / torch.load.
 
-    python bench/checkpoint.py [--mb 500] [--repeats 5]
+    python bench/checkpoint.py [--mb 500] [--repeats 5] [--verify-only]
 
 About 500 MB of state: an MLP's parameters plus Adam's two moments (three times the
 parameters). Measured in one process, and in two (MirroredStrategy: each rank writes half,
 against torch.save from rank 0, the usual DDP practice). ``durable`` saves fsync every file
 before the commit (loom's default); torch.save does not fsync, so both are shown with and
 without it. Contenders run in turns, median of the repeats. Also: how much slower training steps run while an asynchronous save is being
-written, and the time from process start to the first step when resuming.
+written, the time from process start to the first step when resuming, and what checking the
+files' SHA-256 digests costs: a restore against the same checkpoint with its digests left out
+of ``COMMITTED`` (read as one saved before digests: sizes checked only), and the hashing a
+commit does against the whole save.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,7 +35,7 @@ from bench.workloads import save  # noqa: E402
 
 import loom  # noqa: E402
 from loom import compat  # noqa: E402
-from loom.checkpoint import Checkpointer  # noqa: E402
+from loom.checkpoint import Checkpointer, layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -106,6 +110,57 @@ def one_process(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
     result["restore_vs_torch"] = rows["torch.load + load_state_dict"] / rows["loom restore"]
     result["async"] = async_slowdown(model, opt, work)
     return result
+
+
+def verification_cost(megabytes: float, repeats: int, work: Path) -> dict[str, Any]:
+    """Restore with every block's digest checked against restore without (sizes only), and the
+    commit's hashing against the save it belongs to; wall and CPU seconds (all threads)."""
+    model, opt = make_state(megabytes)
+    size = state_bytes(model, opt)
+    state = {"model": model, "optimizer": opt}
+    checked = Checkpointer("OneDeviceStrategy").save(work / "verified", 1, state, keep=1)
+    unchecked = work / "unverified" / checked.name
+    shutil.copytree(checked, unchecked)
+    listing = json.loads((unchecked / layout.MARKER).read_text())
+    (unchecked / layout.MARKER).write_text(json.dumps({"files": listing["files"]}))
+    cpu: dict[str, list[float]] = {}
+
+    def measured(name: str, fn: Callable[[], Any]) -> tuple[str, Callable[[], Any]]:
+        def run() -> None:
+            start = time.process_time()
+            fn()
+            cpu.setdefault(name, []).append(time.process_time() - start)
+
+        return name, run
+
+    restore_sizes, restore_checked = "loom restore, sizes only", f"loom restore, {layout.DIGEST} checked (default)"
+    saving, hashing = "loom save (durable, default)", f"{layout.DIGEST} of the saved files (part of the save)"
+    rows = timed(dict([
+        measured(restore_sizes, lambda: Checkpointer().restore(unchecked, state)),
+        measured(restore_checked, lambda: Checkpointer().restore(checked, state)),
+        measured(saving, lambda: Checkpointer("OneDeviceStrategy").save(work / "saved", 1, state, keep=1)),
+        measured(hashing, lambda: layout.digests(checked, listing["files"])),
+    ]), repeats)  # fmt: skip
+    result: dict[str, Any] = {
+        name: {"seconds": s, "cpu_seconds": statistics.median(cpu[name]), "MB_per_s": size / 2**20 / s} for name, s in rows.items()
+    }
+    result["state_MB"] = size / 2**20
+    result["files"] = len(listing["files"])
+    result["restore_checked_vs_sizes_only"] = rows[restore_checked] / rows[restore_sizes]
+    result["restore_cpu_checked_vs_sizes_only"] = result[restore_checked]["cpu_seconds"] / result[restore_sizes]["cpu_seconds"]
+    result["hashing_share_of_save"] = rows[hashing] / rows[saving]
+    result["cores"] = len(os.sched_getaffinity(0))
+    result["load_average"] = os.getloadavg()[0]
+    return result
+
+
+def print_verification(v: dict[str, Any]) -> None:
+    for name, row in v.items():
+        if isinstance(row, dict):
+            print(f"  {name:<44} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s  {row['cpu_seconds']:6.2f} s CPU")
+    print(f"  restore with digests checked: {v['restore_checked_vs_sizes_only']:.2f}x the time of sizes only "
+          f"({v['restore_cpu_checked_vs_sizes_only']:.2f}x the CPU); hashing is {v['hashing_share_of_save']:.0%} of a durable save "
+          f"({v['files']} files, {v['cores']} cores, load average {v['load_average']:.1f})")  # fmt: skip
 
 
 def async_slowdown(model: nn.Module, opt: torch.optim.Optimizer, work: Path, repeats: int = 3) -> dict[str, Any]:
@@ -220,6 +275,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=500)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-only", action="store_true", help="only the steps during an asynchronous save")
+    parser.add_argument("--verify-only", action="store_true", help="only what checking the digests costs, on restore and on save")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -228,6 +284,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(dir=os.environ.get("LOOM_BENCH_TMP")) as tmp:
         work = Path(tmp)
+        if args.verify_only:
+            print(f"digests, about {args.mb:.0f} MB of model and Adam state, median of {args.repeats}:")
+            v = verification_cost(args.mb, args.repeats, work)
+            print_verification(v)
+            print(f"saved {save('checkpoint_verify', v)}")
+            return
         if args.async_only:
             model, opt = make_state(args.mb)
             a = async_slowdown(model, opt, work, args.repeats)
@@ -241,6 +303,8 @@ def main() -> None:
                 print(f"  {name:<32} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s")
         print(f"  save vs torch.save: {one['save_vs_torch']:.2f}x; durable save vs torch.save+fsync: {one['durable_save_vs_torch_fsync']:.2f}x; restore vs torch.load: {one['restore_vs_torch']:.2f}x")
         print_async(one["async"], one["state_MB"])
+        verified = verification_cost(args.mb, args.repeats, work)
+        print_verification(verified)
         startup = start_to_first_step(args.mb, work)
         print(f"  process start to first step: {startup['fresh']:.2f} s fresh, {startup['resume']:.2f} s resuming")
         print("two processes (MirroredStrategy):")
@@ -249,7 +313,7 @@ def main() -> None:
             if isinstance(row, dict):
                 print(f"  {name:<32} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s")
         print(f"  save vs torch.save on rank 0: {two['save_vs_torch']:.2f}x")
-    print(f"saved {save('checkpoint', {'one_process': one, 'start_to_first_step': startup, 'two_processes': two})}")
+    print(f"saved {save('checkpoint', {'one_process': one, 'verification': verified, 'start_to_first_step': startup, 'two_processes': two})}")
 
 
 if __name__ == "__main__":

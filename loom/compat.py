@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # DCP (and DTensor under it) costs a second of CPU to import:
 
 # What DCP's index (``.metadata``, a pickle) is made of: the allow-list of loom's unpickler.
 # Three of these names are private to torch; an index written by another torch may use others.
+# BytesStorageMetadata is never written by loom; it is let through so that the index check
+# (``loom.checkpoint.safe_reader``) can refuse it naming its key.
 DCP_INDEX_CLASSES: dict[str, set[str]] = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
@@ -40,6 +42,13 @@ DCP_INDEX_CLASSES: dict[str, set[str]] = {
 def dcp_index_path(reader: FileSystemReader, rank: int | None = None) -> os.PathLike:
     """The file DCP's reader reads its index from (``.metadata``)."""
     return reader._get_metadata_path(rank)
+
+
+def dcp_storage_info() -> type:
+    """The class of a DCP index's storage entries (``_StorageInfo``: a file, an offset, a length)."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

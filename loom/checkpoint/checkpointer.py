@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from loom import comm, compat
 from loom.checkpoint import layout
 from loom.checkpoint.arrival import meet
-from loom.checkpoint.safe_reader import SafeFileSystemReader, quiet, read_index
+from loom.checkpoint.safe_reader import index_file, load, quiet, read_index
 from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state, without
 from loom.comm.health import HealthMonitor
 from loom.errors import CheckpointError, CheckpointMismatchError
@@ -212,6 +212,8 @@ class Checkpointer:
             except CheckpointMismatchError:
                 raise  # an older checkpoint of the same run would not match either
             except CheckpointError as error:
+                if i == len(candidates) - 1 and not fallback:
+                    raise CheckpointError(f"{error}; restore(..., fallback=True) takes the newest intact checkpoint before it") from error
                 if i == len(candidates) - 1:
                     raise
                 if self.rank == 0:
@@ -219,30 +221,24 @@ class Checkpointer:
         return None
 
     def _restore(self, path: Path, state: dict[str, Any], strict: bool) -> dict[str, Any]:
-        layout.verify(path)
+        listed = layout.verify(path, contents=False)  # every file there, at its size
+        mine = path / f"rank-{self.rank:05d}.json"
+        # What decides what to read is checked before it is read, the same files on every rank;
+        # the tensors' files as DCP reads them.
+        listed.check([index_file(path).name] + [n for n in listed.sizes if n.endswith(".json")])
         meta = layout.read_json(path / "loom.json")
         if meta.get("format") != FORMAT:
             raise CheckpointMismatchError(
                 f"{path}: saved in checkpoint format {meta.get('format')!r}, and this loom reads format {FORMAT}: "
                 "restore it with the loom version that saved it (or a newer one)"
             )
-        index = read_index(path / ".metadata")
+        index = read_index(path, listed)
         tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"}, meta["plain"])
         missing, unexpected = check_match(flatten(tensors), index.state_dict_metadata, path, strict)
         tensors = without(tensors, set(missing))
-        try:
-            with quiet():
-                dcp.load(
-                    tensors,
-                    storage_reader=SafeFileSystemReader(path),
-                    process_group=self._checkpoint_group(),
-                    no_dist=not dist.is_initialized(),
-                )
-        except Exception as error:
-            raise CheckpointError(f"{path}: could not be read ({error}); restore(..., fallback=True) tries the previous one") from error
+        load(tensors, path, index, listed, self._checkpoint_group())  # each tensor once its blocks' digests match
         apply(state, meta["kinds"], merge(tensors, meta["plain"]), strict)
-        mine = path / f"rank-{self.rank:05d}.json"
-        if mine.is_file() and meta["world_size"] == self.world_size:
+        if mine.name in listed.sizes and meta["world_size"] == self.world_size:
             set_rng_state(layout.read_json(mine)["rng"])
         restored = {
             **{k: v for k, v in meta["plain"].items() if meta["kinds"][k] == "value"},

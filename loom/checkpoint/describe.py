@@ -1,4 +1,6 @@
-"""``loom checkpoint inspect`` and ``export``: what a checkpoint holds, and its weights for serving."""
+"""``loom checkpoint inspect``, ``export`` and ``verify``: what a checkpoint holds, its weights for
+serving, and whether it is intact. Each reads only files that ``COMMITTED`` lists, after
+checking their sizes and digests, and the index through ``safe_reader``."""
 
 from __future__ import annotations
 
@@ -6,31 +8,60 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 
 from loom.checkpoint import layout
-from loom.checkpoint.safe_reader import SafeFileSystemReader, quiet, read_index
+from loom.checkpoint.safe_reader import index_file, load, read_index
 from loom.errors import CheckpointError
 
 
-def find(path: str | Path) -> Path:
-    """The checkpoint ``path`` names, or the newest complete one under it."""
+def find(path: str | Path) -> tuple[Path, layout.Manifest]:
+    """The checkpoint ``path`` names, or the newest complete one under it, with its files' sizes checked."""
     found = layout.resolve(path)
     if found is None:
-        raise CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
-    layout.verify(found)
-    return found
+        raise _none_here(path)
+    return found, layout.verify(found, contents=False)
+
+
+def _none_here(path: str | Path) -> CheckpointError:
+    return CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
+
+
+def check(path: Path) -> str:
+    """How the checkpoint ``path`` was checked; raises, in one line naming the file, when anything in it is damaged or refused."""
+    listed = layout.verify(path)
+    meta = layout.read_json(path / "loom.json")
+    if not isinstance(meta, dict) or not {"format", "step", "kinds", "plain"} <= set(meta):
+        raise CheckpointError(f"{path / 'loom.json'}: not loom's description of a checkpoint")
+    read_index(path, listed)
+    if listed.digests is None:
+        return f"sizes intact, contents unchecked: saved before loom recorded digests ({len(listed.sizes)} files)"
+    return f"intact ({len(listed.sizes)} files, {sum(listed.sizes.values()):,} bytes, {layout.DIGEST} checked)"
+
+
+def verify(path: str | Path) -> list[tuple[Path, bool, str]]:
+    """Each complete checkpoint ``path`` names or holds, oldest first: whether it is intact, and how, or what is wrong."""
+    path = Path(path)
+    found = [path] if (path / layout.MARKER).is_file() else layout.committed(path)
+    if not found:
+        raise _none_here(path)
+    results: list[tuple[Path, bool, str]] = []
+    for checkpoint in found:
+        try:
+            results.append((checkpoint, True, check(checkpoint)))
+        except CheckpointError as error:
+            results.append((checkpoint, False, str(error)))
+    return results
 
 
 def describe(path: str | Path) -> dict[str, Any]:
     """Step, strategy, world size, and every saved tensor's shape and dtype."""
-    found = find(path)
+    found, listed = find(path)
+    listed.check([index_file(found).name, "loom.json"])  # the files it reads
     meta = layout.read_json(found / "loom.json")
-    index = read_index(found / ".metadata")
+    index = read_index(found, listed)
     tensors = {
         key: {"shape": list(entry.size), "dtype": str(entry.properties.dtype).removeprefix("torch.")}
         for key, entry in sorted(index.state_dict_metadata.items())
-        if hasattr(entry, "size")
     }
     values = {k: v for k, v in meta["plain"].items() if meta["kinds"][k] == "value"}
     return {
@@ -50,7 +81,8 @@ def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
     """The model's weights, gathered whole from every rank's files, as one safetensors file."""
     from safetensors.torch import save_file
 
-    found = find(path)
+    found, listed = find(path)
+    listed.check([index_file(found).name, "loom.json"])  # and the tensors' files as they are read
     meta = layout.read_json(found / "loom.json")
     kinds = meta["kinds"]
     modules = [k for k, kind in kinds.items() if kind == "module"]
@@ -61,13 +93,12 @@ def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
     if kinds.get(name) != "module":
         raise CheckpointError(f"{found} holds no model named '{name}' (models: {', '.join(modules) or 'none'})")
     prefix = f"{name}."
-    index = read_index(found / ".metadata")
+    index = read_index(found, listed)
     weights = {
         key[len(prefix) :]: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in index.state_dict_metadata.items()
-        if key.startswith(prefix) and hasattr(entry, "size")
+        if key.startswith(prefix)
     }
-    with quiet():
-        dcp.load({name: weights}, storage_reader=SafeFileSystemReader(found), no_dist=True)
+    load({name: weights}, found, index, listed)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata={"step": str(meta["step"])})
     return Path(out)

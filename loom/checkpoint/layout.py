@@ -6,7 +6,8 @@
         loom.json               everything else (step, epoch, strategy, world size, optimizer
                                 hyper-parameters, input position, user values), from rank 0
         rank-00000.json ...     each replica's RNG states
-        COMMITTED               written last, before the rename: every file's size
+        COMMITTED               written last, before the rename: every file's size, and the
+                                SHA-256 of each 16 MiB of it
       .tmp-step-00000140/       a save in progress, or one cut short (kill -9): never read
       .replaced-step-00000120/  step 120 saved again: the old copy, until the new one is in place
 
@@ -14,20 +15,31 @@ A rename within one filesystem is atomic, so a reader sees a whole checkpoint or
 interrupted at any point leaves the previous checkpoints as they were. A step saved again
 replaces its checkpoint by two renames, and one of the two copies is found at every moment.
 In a job of several nodes the root must be on storage that every node sees.
+
+``COMMITTED`` is what a reader trusts: a file it does not list is never read, and a listed
+file whose size or digest differs is damage, named by the file. Checkpoints written before
+digests were recorded list sizes only; they are still read, their sizes checked.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
+from loom.devices import available_cores
 from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
+DIGEST = "sha256"  # hashlib's name, and the key of the digests in MARKER
+BLOCK = 2**24  # bytes a digest covers: a reader checks the blocks it needs first, several at once
+HASH_THREADS = 8  # at most; hashlib releases the GIL
 _STEP = re.compile(r"^step-(\d+)$")
 _REPLACED = re.compile(r"^\.replaced-step-(\d+)$")
 
@@ -78,13 +90,15 @@ def resolve(path: str | os.PathLike) -> Path | None:
 
 
 def commit(temp: Path, final: Path) -> None:
-    """Record every file's size, then make the checkpoint visible in one rename.
+    """Record every file's size and digest, then make the checkpoint visible in one rename.
 
     A step saved again keeps its old checkpoint, renamed aside, until the new one has its name.
     """
-    sizes = {p.name: p.stat().st_size for p in sorted(temp.iterdir()) if p.is_file()}
+    files = sorted(p for p in temp.iterdir() if p.is_file())
+    sizes = {p.name: p.stat().st_size for p in files}
     marker = temp / MARKER
-    marker.write_text(json.dumps({"files": sizes}, indent=1))
+    listing = {"files": sizes, DIGEST: dict(zip(sizes, digests(temp, sizes)))}
+    marker.write_text(json.dumps(listing, indent=1))
     _fsync(marker)
     _fsync(temp)
     if not final.exists():
@@ -98,6 +112,43 @@ def commit(temp: Path, final: Path) -> None:
     os.rename(temp, final)
     _fsync(final.parent)
     shutil.rmtree(aside)
+
+
+def digests(path: Path, sizes: dict[str, int], unreadable: str | None = None) -> list[list[str]]:
+    """The block digests of each file ``sizes`` lists in ``path``, hashed on several threads.
+
+    ``unreadable`` stands for a block that cannot be read (None: raise).
+    """
+    blocks = [(path / name, i) for name, size in sizes.items() for i in range(blocks_of(size))]
+    with ThreadPoolExecutor(hash_threads() + 1, thread_name_prefix="loom-digest") as pool:
+        found = iter(pool.map(lambda block: digest_block(*block, unreadable), blocks))
+    return [[next(found) for _ in range(blocks_of(size))] for size in sizes.values()]
+
+
+def blocks_of(size: int) -> int:
+    return max(1, -(-size // BLOCK))
+
+
+def digest_block(file: Path, index: int, unreadable: str | None = None) -> str:
+    """The hex digest of the ``index``-th BLOCK bytes of ``file``."""
+    digest, buffer = hashlib.new(DIGEST), memoryview(bytearray(2**20))
+    try:
+        with open(file, "rb") as f:
+            f.seek(index * BLOCK)
+            left = BLOCK
+            while left and (n := f.readinto(buffer[: min(left, len(buffer))])):
+                digest.update(buffer[:n])
+                left -= n
+    except OSError:
+        if unreadable is None:
+            raise
+        return unreadable
+    return digest.hexdigest()
+
+
+def hash_threads() -> int:
+    """Threads to hash with beside one busy thread (reading, or the caller): one per other core."""
+    return max(1, min(HASH_THREADS, available_cores() - 1))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -120,19 +171,77 @@ def clear_temp(temp: Path) -> None:
     temp.mkdir(parents=True)
 
 
-def verify(path: Path) -> None:
-    """Every file the marker lists is there with its size: catches truncation and deletion."""
+@dataclass(frozen=True)
+class Manifest:
+    """What a checkpoint's ``COMMITTED`` lists: each file's size, and its block digests (None: saved before digests)."""
+
+    path: Path
+    sizes: dict[str, int]
+    digests: dict[str, list[str]] | None
+
+    def intact(self, name: str, block: int) -> bool:
+        """Whether a block of the file ``name`` has the digest recorded (True when none was)."""
+        return self.digests is None or digest_block(self.path / name, block, unreadable="") == self.digests[name][block]
+
+    def check(self, names: Iterable[str]) -> None:
+        """Raise, naming the file, when one of ``names`` is not listed or differs from its recorded digests."""
+        names = list(names)
+        for name in names:
+            if name not in self.sizes:
+                raise CheckpointError(f"{self.path / name}: not listed in {MARKER}: this is not a complete checkpoint")
+        if self.digests is None:
+            return
+        for name, found in zip(names, digests(self.path, {n: self.sizes[n] for n in names}, unreadable="")):
+            if found != self.digests[name]:
+                raise CheckpointError(damage(self.path / name))
+
+
+def damage(file: Path) -> str:
+    return f"{file}: damaged: its content differs from the {DIGEST} recorded when it was saved"
+
+
+def manifest(path: Path) -> Manifest:
+    """The checkpoint's ``COMMITTED``; an error naming it when it is unreadable or lists a path outside the checkpoint."""
+    marker = path / MARKER
     try:
-        sizes = json.loads((path / MARKER).read_text())["files"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{path / MARKER}: unreadable ({error}); the checkpoint is damaged") from error
-    for name, size in sizes.items():
+        listing = json.loads(marker.read_text())
+        sizes, recorded = listing["files"], listing.get(DIGEST)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{marker}: unreadable ({error}); the checkpoint is damaged") from error
+    if not isinstance(sizes, dict) or not all(_plain_name(n) and type(s) is int and s >= 0 for n, s in sizes.items()):
+        raise CheckpointError(f"{marker}: damaged: its file list is not file names with sizes")
+    if recorded is not None and not _digests_of(recorded, sizes):
+        raise CheckpointError(f"{marker}: damaged: its {DIGEST} digests do not match its file list")
+    return Manifest(path, sizes, recorded)
+
+
+def _digests_of(digests: Any, sizes: dict[str, int]) -> bool:
+    """Whether ``digests`` has, for each file ``sizes`` lists, one digest per block."""
+    return (
+        isinstance(digests, dict) and set(digests) == set(sizes)
+        and all(isinstance(d, list) and len(d) == blocks_of(sizes[n]) and all(isinstance(h, str) for h in d) for n, d in digests.items())
+    )  # fmt: skip
+
+
+def _plain_name(name: Any) -> bool:
+    """A file directly in the checkpoint directory: no separator, no '..', not the marker itself."""
+    return isinstance(name, str) and name not in ("", ".", "..", MARKER) and not any(c in name for c in "/\\\0")
+
+
+def verify(path: Path, contents: bool = True) -> Manifest:
+    """Every file the marker lists is there with its size (truncation, deletion), and with
+    ``contents`` its digest (any other change)."""
+    listed = manifest(path)
+    for name, size in listed.sizes.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing from the checkpoint")
         actual = file.stat().st_size
         if actual != size:
             raise CheckpointError(f"{file}: truncated or altered ({actual} bytes, {size} when saved)")
+    if contents:
+        listed.check(listed.sizes)
+    return listed
 
 
 def _fsync(path: Path) -> None:

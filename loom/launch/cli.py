@@ -1,5 +1,6 @@
 """The ``loom`` command: ``loom run`` starts a job, ``loom env`` shows what it would be, ``loom doctor``
-checks that it would start, ``loom stacks`` shows where a running one is."""
+checks that it would start, ``loom stacks`` shows where a running one is, ``loom checkpoint``
+inspects, verifies and exports checkpoints."""
 
 from __future__ import annotations
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--wait", type=float, default=60.0, help="seconds to wait for the master and the other nodes")
     stacks = commands.add_parser("stacks", help="print where each rank of a running job is: its collective and Python stack")
     stacks.add_argument("--master", help="the job's HOST:PORT; default: the job running on this machine")
-    checkpoint = commands.add_parser("checkpoint", help="look into a checkpoint, or export its weights")
+    checkpoint = commands.add_parser("checkpoint", help="look into a checkpoint, check it, or export its weights")
     actions = checkpoint.add_subparsers(dest="action", required=True)
     inspect = actions.add_parser("inspect", help="list what a checkpoint holds")
     inspect.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
@@ -83,13 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
     export.add_argument("output", help="the .safetensors file to write")
     export.add_argument("--name", help="which saved model, when there are several")
+    verify = actions.add_parser("verify", help="check every file of each checkpoint against its recorded size and digest")
+    verify.add_argument("directory", help="a checkpoint, or a directory of them (each is checked)")
     xla_export.add_commands(commands.add_parser("xla", help="TPUStrategy: export a script's compiled training step"))
     return parser
 
 
 def _checkpoint_command(args: argparse.Namespace) -> int:
-    from loom.checkpoint.describe import describe, export
+    from loom.checkpoint.describe import describe, export, verify
 
+    if args.action == "verify":
+        results = verify(args.directory)
+        for path, intact, said in results:
+            print(f"{path}: {said}" if intact else said, file=sys.stdout if intact else sys.stderr)  # a damage names its file
+        return 0 if all(intact for _, intact, _ in results) else 1
     if args.action == "export":
         out = export(args.directory, args.output, args.name)
         print(f"wrote {out} ({out.stat().st_size:,} bytes)")

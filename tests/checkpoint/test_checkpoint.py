@@ -1,6 +1,5 @@
 """loom.checkpoint: round trips, atomic commits, damage and mismatch, portability across strategies."""
 
-import json
 import os
 import pickle
 import random
@@ -19,6 +18,7 @@ import loom.data as ld
 from loom import compat
 from loom.checkpoint import committed
 from loom.errors import CheckpointError, CheckpointMismatchError
+from tests.checkpoint.tamper import recommit
 from tests.helpers import ROOT, SCRIPTS, job_env, loom_run
 
 
@@ -147,9 +147,7 @@ def test_loading_never_runs_pickled_code(tmp_path):
     path = strategy.save(tmp_path, step=1, model=model)
     evil = pickle.dumps(_Exploit())
     (path / ".metadata").write_bytes(evil)
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"][".metadata"] = len(evil)  # the sizes agree: only the unpickler stands in the way
-    (path / "COMMITTED").write_text(json.dumps(marker))
+    recommit(path)  # the marker agrees: only the unpickler stands in the way
     with pytest.raises(CheckpointError, match=r"\.metadata: unreadable checkpoint index \(refusing to load posix\.system"):
         strategy.restore(tmp_path, model=model)
 

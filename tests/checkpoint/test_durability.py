@@ -13,6 +13,7 @@ from torch import nn
 import loom
 from loom.checkpoint import committed, layout
 from loom.errors import CheckpointMismatchError
+from tests.checkpoint.tamper import recommit
 from tests.scripts.fit_job import data
 
 
@@ -98,7 +99,8 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line(tmp_path):
     strategy.save(tmp_path, step=2, model=model)
     meta = tmp_path / "step-00000002" / "loom.json"
     text = meta.read_text()
-    meta.write_text(text.replace('"format": 1', '"format": 2'))  # same size: the marker still matches
+    meta.write_text(text.replace('"format": 1', '"format": 2'))
+    recommit(tmp_path / "step-00000002")  # as a loom of format 2 would have committed it
     assert json.loads(meta.read_text())["format"] == 2
     for fallback in (False, True):  # not damage: an older checkpoint is not a substitute
         with pytest.raises(CheckpointMismatchError, match=r"step-00000002: saved in checkpoint format 2, and this loom reads format 1: restore it with the loom version that saved it"):
