@@ -34,15 +34,20 @@ REFUSED = {
     },
     "tensor_parallel": {
         "fp16_mixed": "ValueError: TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only",
+        "batchnorm_cnn": "ValueError: found no layers of BatchNormCNN to split",  # a CNN has no Linear pairs to split
     },
     "hybrid": {
         "fp16_mixed": "ValueError: HybridStrategy cannot skip an fp16 step that overflowed on one process's part of the model only",
+        "batchnorm_cnn": "ValueError: found no layers of BatchNormCNN to split",
+        "compile_before_prepare": "ValueError: HybridStrategy compiles each block itself",
     },
     # The schedule interleaves forward and backward: the eager loop, and fp16's all-stage skip.
     "pipeline": {
         "eager_loop": f"RuntimeError: {PIPELINE_EAGER}",
         "accumulate_eager": f"RuntimeError: {PIPELINE_EAGER}",
         "fp16_mixed": "ValueError: PipelineStrategy cannot run precision='16-mixed'",
+        "batchnorm_cnn": "ValueError: PipelineStrategy cannot train BatchNorm layer 'features.1' as one device does",
+        "gpt_own_loss": "ValueError: transformer.wte.weight (stage 0) and lm_head.weight (stage 1) are one tied parameter",
     },
     "tpu": {  # one compiled program per step: gradients come from JAX, and XLA devices run bfloat16
         "eager_loop": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
