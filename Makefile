@@ -3,7 +3,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test gpu-check bench bench-tf bench-peers clean
+.PHONY: demo test docs gpu-check bench bench-tf bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ demo: $(STAMP)
 # Three test processes on two cores: most tests wait on launched jobs; tests sharing one job share a process (xdist_group).
 test: $(STAMP)
 	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
+
+# The guide (docs/, mkdocs.yml) as a site in site/; --strict fails on a broken link or reference.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The contract's equivalence and bench/gpt.py on CUDA with NCCL; one line and exit 0 where there is no GPU.
 gpu-check: $(STAMP)
