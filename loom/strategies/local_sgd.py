@@ -40,9 +40,11 @@ restored with it, so a resumed run goes on as the saved one would have; a checkp
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -51,7 +53,7 @@ from torch import nn
 from loom import comm
 from loom.strategies.base import OptimizerFactory, unwrap
 from loom.strategies.mirrored import MultiWorkerMirroredStrategy
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 
 
 class Replicas:
@@ -63,7 +65,9 @@ class Replicas:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        floating = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+        self.buffer_names = [n for n, _ in floating]
+        self.buffers = [b for _, b in floating]
         self.every = every
         self.overlap = overlap
         self.pending = 0  # inner steps since the replicas last met
@@ -155,8 +159,19 @@ class InFlight:
         self.dtypes = [t.dtype for t in tensors]
         self.flat = {dtype: torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype]) for dtype in dict.fromkeys(self.dtypes)}
         self.works = [dist.all_reduce(flat, group=dist.group.WORLD, async_op=True) for flat in self.flat.values()]
+        self._mean: list[torch.Tensor] | None = None
+
+    @classmethod
+    def arrived(cls, mean: list[torch.Tensor]) -> InFlight:
+        """One whose mean is already known (restored from a checkpoint)."""
+        done = cls.__new__(cls)
+        done._mean = [t.clone() for t in mean]
+        return done
 
     def mean(self) -> list[torch.Tensor]:
+        """Waited for once; a save reads it before the sync that applies it."""
+        if self._mean is not None:
+            return self._mean
         for work in self.works:
             work.wait()
         world = dist.get_world_size()
@@ -166,34 +181,155 @@ class InFlight:
             n = shape.numel()
             out.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape).div_(world))
             offsets[dtype] += n
+        self._mean = out
         return out
 
 
-class OuterState:
-    """DiLoCo's outer momentum in a checkpoint, by parameter name (the anchor is the saved model itself).
+SHARED_SUFFIX = "_local_sgd"  # beside a model: what its replicas hold alike (the period, DiLoCo's outer state)
+REPLICA_SUFFIX = "_replica"  # + the replica's index: what is its own (its parameters while apart, its optimizer state)
 
-    ``loading``: zeros for the buffers ``names`` the checkpoint holds, for DCP to load into.
+
+class SharedState:
+    """What every replica of a model holds alike: the period's count, and DiLoCo's anchor, outer momentum and the
+    mean in flight. Every replica saves the same values (DCP writes them once).
+
+    ``saved``: the checkpoint's plain values of it, when loading (they say which tensors it holds);
+    ``period=False`` loads the outer momentum and the counts only (another number of replicas).
     """
 
-    def __init__(self, replicas: Replicas, loading: list[str] | None = None) -> None:
-        self.replicas, self.loading = replicas, loading
+    def __init__(self, replicas: Replicas, saved: dict[str, Any] | None = None, period: bool = True) -> None:
+        self.replicas, self.saved, self.period = replicas, saved, period
 
     def state_dict(self) -> dict[str, Any]:
-        replicas = self.replicas
-        anchors = dict(zip(replicas.names, replicas.anchor))
-        if self.loading is not None:
-            return {"outer_steps": 0, "names": self.loading, "momentum": {n: torch.zeros_like(anchors[n]) for n in self.loading}}
-        held = {n: replicas.outer.state[a]["momentum_buffer"] for n, a in anchors.items() if "momentum_buffer" in replicas.outer.state.get(a, {})}
-        return {"outer_steps": replicas.outer_steps, "names": list(held), "momentum": held}
+        r = self.replicas
+        if self.saved is not None:  # tensors to load into
+            like = dict(zip(r.names, r.params))
+            return {
+                **self.saved,
+                "anchor": {n: torch.empty_like(like[n]) for n in (r.names if self.saved["outer"] else [])},
+                "momentum": {n: torch.empty_like(like[n]) for n in self.saved["momentum_names"]},
+                "in_flight": {n: torch.empty_like(like[n]) for n in (r.names if self.saved["in_flight_mean"] else [])},
+            }
+        momentum = {}
+        if r.outer is not None:
+            held = [(n, r.outer.state.get(a, {}).get("momentum_buffer")) for n, a in zip(r.names, r.anchor)]
+            momentum = {n: buffer for n, buffer in held if buffer is not None}
+        in_flight = dict(zip(r.names, r.in_flight.mean())) if r.in_flight is not None else {}
+        return {
+            "replicas": dist.get_world_size(),
+            "pending": r.pending,
+            "syncs": r.syncs,
+            "outer_steps": r.outer_steps,
+            "apart": r.apart,
+            "outer": r.outer is not None,
+            "anchor": dict(zip(r.names, r.anchor)) if r.outer is not None else {},
+            "momentum_names": list(momentum),
+            "momentum": momentum,
+            "in_flight_mean": bool(in_flight),
+            "in_flight": in_flight,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        r = self.replicas
+        r.syncs, r.outer_steps = state["syncs"], state["outer_steps"]
+        if r.outer is not None:
+            anchors = dict(zip(r.names, r.anchor))
+            for name, buffer in state["momentum"].items():
+                r.outer.state[anchors[name]]["momentum_buffer"] = buffer.clone()
+        if not self.period:
+            return
+        r.pending = state["pending"]
+        for anchor, name in zip(r.anchor or [], r.names):
+            anchor.copy_(state["anchor"][name])
+        if state["in_flight_mean"]:
+            r.in_flight = InFlight.arrived([state["in_flight"][n] for n in r.names])
+
+
+class ReplicaState:
+    """One replica's own part of a checkpoint: its parameters and buffers while the replicas are apart (and,
+    overlapped, where its period began), and the tensors of its inner optimizers and its fp16 loss scale.
+
+    Every replica names every replica's part, so that the checkpoint lists them all; only its own holds
+    tensors. ``optimizers``: by the names they are saved under; ``None`` leaves them out (replica 0's are
+    saved under those names). ``apart``, when loading: whether the checkpoint holds the parameters.
+    """
+
+    def __init__(
+        self, replicas: Replicas, optimizers: dict[str, torch.optim.Optimizer] | None, scaler: Any, mine: bool, apart: bool | None = None
+    ) -> None:
+        self.replicas, self.optimizers, self.scaler, self.mine = replicas, optimizers or {}, scaler, mine
+        self.loading = apart is not None
+        self.apart = replicas.apart if apart is None else apart
+        self.live = self._tensors() if mine else {}  # now: a save replaces the parameters' data with their mean meanwhile
+
+    def _tensors(self) -> dict[str, Any]:
+        r = self.replicas
+        tensors: dict[str, Any] = {}
+        if self.apart:
+            tensors["params"] = {n: p.detach() for n, p in zip(r.names, r.params)}
+            tensors["buffers"] = {n: b.detach() for n, b in zip(r.buffer_names, r.buffers)}
+            if r.start is not None:
+                tensors["start"] = dict(zip(r.names, r.start))
+        by_id = {id(p): n for n, p in zip(r.names, r.params)}
+        tensors["optimizers"] = {
+            key: {by_id[id(p)]: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in opt.state.items() if id(p) in by_id}
+            for key, opt in self.optimizers.items()
+        }
+        if self.scaler is not None and self.scaler.is_enabled():
+            tensors["scaler"] = {"scale": torch.tensor(self.scaler.get_scale(), dtype=torch.float64),
+                                 "growth_tracker": torch.tensor(self.scaler._get_growth_tracker())}  # fmt: skip
+        return tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        return _empty_like(self.live) if self.loading else self.live
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        live = self.live
+        for group in ("params", "buffers", "start"):
+            for name, tensor in live.get(group, {}).items():
+                tensor.copy_(state[group][name])
+        for key, by_param in live["optimizers"].items():
+            for name, tensors in by_param.items():
+                for k, tensor in tensors.items():
+                    tensor.copy_(state["optimizers"][key][name][k])
+        if "scaler" in live:
+            saved = state["scaler"]
+            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(saved["scale"]), "_growth_tracker": int(saved["growth_tracker"])})
+
+
+class _Absent:
+    """Saved in place of an object that only replica 0 writes under its name."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        anchors = dict(zip(self.replicas.names, self.replicas.anchor))
-        for name, buffer in state.get("momentum", {}).items():
-            self.replicas.outer.state[anchors[name]]["momentum_buffer"] = buffer.clone()
-        self.replicas.outer_steps = state["outer_steps"]
+        pass
 
 
-OUTER_SUFFIX = "_diloco_outer"  # a model's outer momentum is saved beside it under this name
+def _empty_like(tree: Any) -> Any:
+    return {k: _empty_like(v) for k, v in tree.items()} if isinstance(tree, dict) else torch.empty_like(tree)
+
+
+@contextmanager
+def _agreed(apart: list[Replicas]) -> Iterator[None]:
+    """Within: the parameters and buffers of replicas that are apart replaced by their mean; after, as they were.
+
+    ``average`` gives each tensor new data (a view of the averaged flat buffer), so the old data
+    is put back as it was, the same storage: the training that follows does not see the save.
+    """
+    kept = [[t.data for t in r.params + r.buffers] for r in apart]
+    try:
+        with torch.no_grad():
+            for r in apart:
+                average(r.params + r.buffers)
+        yield
+    finally:
+        for r, data in zip(apart, kept):
+            for t, d in zip(r.params + r.buffers, data):
+                t.data = d
 
 
 def average(tensors: list[torch.Tensor]) -> None:
@@ -280,25 +416,72 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
     def _prepared(self, state: dict[str, Any]) -> dict[str, Replicas]:
         return {name: self._replicas[unwrap(m)] for name, m in state.items() if isinstance(m, nn.Module) and unwrap(m) in self._replicas}
 
+    def _optimizers_of(self, state: dict[str, Any], models: dict[str, Replicas]) -> dict[str, dict[str, torch.optim.Optimizer]]:
+        """By model name: the optimizers in ``state`` that step its parameters, by their own names."""
+        found: dict[str, dict[str, torch.optim.Optimizer]] = {name: {} for name in models}
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                first = next(p for group in value.param_groups for p in group["params"])
+                for name, replicas in models.items():
+                    if any(first is p for p in replicas.params):
+                        found[name][key] = inner_optimizer(value)
+        return found
+
     def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        """Sync first: the checkpoint is the model every replica agrees on, with DiLoCo's outer momentum beside it."""
-        self.sync()
-        outer = {f"{name}{OUTER_SUFFIX}": OuterState(r) for name, r in self._prepared(options).items() if r.outer is not None}
-        return super().save(directory, **options, **outer)
+        """The model the replicas agree on, and each replica's own state beside it; the training is left as it was.
+
+        Under the model's name: the replicas' mean while they are apart (what local SGD's next sync
+        would make), else the model they agreed on. Its optimizers' names hold replica 0's state;
+        ``<name>_replica<r>`` replica r's own, ``<name>_local_sgd`` the period and DiLoCo's outer state.
+        """
+        models = self._prepared(options)
+        optimizers = self._optimizers_of(options, models)
+        rank, scaler = self.replica_id, self.precision.scaler
+        state = dict(options)
+        for name, replicas in models.items():
+            state[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas)
+            for r in range(self.num_replicas_in_sync):
+                state[f"{name}{REPLICA_SUFFIX}{r}"] = ReplicaState(replicas, optimizers[name] if r else None, scaler, mine=r == rank)
+            if rank:  # replica 0's optimizers are saved under their own names; this one's in its part
+                state.update({key: _Absent() for key in optimizers[name]})
+        with self._guard(), _agreed([r for r in models.values() if r.apart]):
+            return super().save(directory, **state)
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        restored = super().restore(directory, **options)
+        """Each replica goes on from its own state, as the saved run did (same number of replicas).
+
+        On another number of replicas, or from another strategy's checkpoint, every replica starts
+        from the saved model and replica 0's optimizer state, as after a sync (DiLoCo keeps the outer
+        momentum it saved). With no checkpoint yet nothing changes.
+        """
         models = self._prepared(options)
-        for replicas in models.values():
-            replicas.reset()  # the restored parameters are the new anchor
-        if restored is None or not any(r.outer is not None for r in models.values()):
-            return restored
+        restored = super().restore(directory, **options)  # the agreed model, replica 0's optimizers, the rest
+        if restored is None:
+            return None
         from loom.checkpoint import layout  # lazy: only on restore
 
         plain = layout.read_json(Path(restored["path"]) / "loom.json")["plain"]
-        outer = {key: OuterState(r, plain[key]["names"]) for name, r in models.items() if (key := f"{name}{OUTER_SUFFIX}") in plain}
-        if outer:  # saved under DiLoCo: its outer momentum goes on
-            super().restore(restored["path"], **outer)
+        optimizers = self._optimizers_of(options, models)
+        own: dict[str, Any] = {}
+        for name, replicas in models.items():
+            replicas.reset()  # the restored parameters are the anchor, unless the checkpoint says more
+            saved = plain.get(f"{name}{SHARED_SUFFIX}")
+            if saved is None:  # saved under another strategy
+                continue
+            same = saved["replicas"] == self.num_replicas_in_sync
+            own[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, saved, period=same)
+            if same:
+                own[f"{name}{REPLICA_SUFFIX}{self.replica_id}"] = ReplicaState(
+                    replicas, optimizers[name] if self.replica_id else None, self.precision.scaler, True, apart=saved["apart"]
+                )
+            elif self.is_chief:
+                warnings.warn(
+                    f"loom: {restored['path']} holds {saved['replicas']} replicas of '{name}' and this job has "
+                    f"{self.num_replicas_in_sync}: every replica starts from their mean with replica 0's optimizer state, as after a sync",
+                    stacklevel=2,
+                )
+        if own:
+            super().restore(restored["path"], **own)
         return restored
 
     def __repr__(self) -> str:
