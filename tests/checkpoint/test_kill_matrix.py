@@ -1,0 +1,77 @@
+"""Exact resume under every strategy: kill -9 of one rank between two saves, and SIGTERM.
+
+Each strategy trains a small model with dropout and Adam under ``loom.fit`` with a checkpoint
+every two steps (``tests/scripts/kill_matrix_job.py``): the last rank kills itself with SIGKILL
+after step 3, torchrun restarts the job (``--max-restarts 1``) and it resumes from step 2; after
+step 7 the last rank sends itself SIGTERM, every rank saves and the job exits 0; a second launch
+resumes from step 7 and finishes. The same processes then train a fresh model without any
+checkpoint. Each rank's parameters and optimizer state after step 7 and at the end must equal
+the uninterrupted run's bit for bit. Local SGD and DiLoCo sync every 3 steps, so every save, the
+kill and the SIGTERM fall in the middle of a period.
+
+Strategies of a group run one after another in the same launched job (a launch costs seconds
+of CPU): a group is one xdist group, so one test process drives it. Multi-worker mirrored runs
+as one node of two processes here (its two-node launch is tested in ``tests/launch``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import SCRIPTS, loom_run
+
+SCRIPT = str(SCRIPTS / "kill_matrix_job.py")
+KILL_AT, TERM_AT, SAVED_BEFORE_KILL = 3, 7, 2  # as in the script
+GROUPS = {  # name: (processes, strategies run one after another in one job)
+    "one_device": (1, ["one_device"]),
+    "data_parallel": (2, ["mirrored", "multi_worker_mirrored", "local_sgd", "diloco"]),
+    "model_parallel": (2, ["sharded", "tensor_parallel", "hybrid", "pipeline"]),
+}
+ROWS = [pytest.param(group, name, marks=pytest.mark.xdist_group(f"kill_matrix_{group}")) for group, (_, names) in GROUPS.items() for name in names]
+_ran: dict[str, tuple[Path, str]] = {}
+
+
+def _matrix(group: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """Run ``group``'s job until every strategy in it finished (once per test process); its directory and output."""
+    if group not in _ran:
+        nproc, names = GROUPS[group]
+        root = tmp_path_factory.mktemp(f"kill_matrix_{group}")
+        output = ""
+        for _ in range(len(names) + 1):  # each SIGTERM ends a launch; the last one finishes
+            done = loom_run(["run", "--nproc", str(nproc), "--max-restarts", "1", "--timeout", "30", SCRIPT, str(root), ",".join(names)], timeout=240)
+            output += done.stdout + done.stderr
+            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            if all((root / name / "stage").read_text() == "3" for name in names):
+                break
+        _ran[group] = root, output
+    return _ran[group]
+
+
+def _differences(directory: Path, got: str, expected: str, nproc: int) -> list[str]:
+    """The tensors of ``got`` that are not bit for bit ``expected``'s, on any rank, with their largest difference."""
+    found = []
+    for rank in range(nproc):
+        a, b = (torch.load(directory / f"{name}-{rank}.pt", weights_only=True) for name in (got, expected))
+        assert a.keys() == b.keys() and a, f"rank {rank}: {sorted(a)} != {sorted(b)}"
+        found += [f"rank {rank} {k}: {(a[k].double() - b[k].double()).abs().max().item():.3g}" for k in a if not torch.equal(a[k], b[k])]
+    return found
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("group, name", ROWS)
+def test_kill_9_between_two_saves_resumes_bit_for_bit(group, name, tmp_path_factory):
+    root, output = _matrix(group, tmp_path_factory)
+    assert f"resumed from {root / name / 'checkpoints'}/step-{SAVED_BEFORE_KILL:08d}" in output, output[-4000:]
+    assert not _differences(root / name, "killed", f"reference-{TERM_AT}", GROUPS[group][0])
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("group, name", ROWS)
+def test_sigterm_save_resumes_bit_for_bit(group, name, tmp_path_factory):
+    root, output = _matrix(group, tmp_path_factory)
+    assert f"loom: preempted: saved step {TERM_AT} to {root / name / 'checkpoints'}" in output, output[-4000:]
+    assert f"resumed from {root / name / 'checkpoints'}/step-{TERM_AT:08d}" in output, output[-4000:]
+    assert not _differences(root / name, "resumed", "reference-end", GROUPS[group][0])
