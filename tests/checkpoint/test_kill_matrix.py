@@ -20,8 +20,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from tests.helpers import SCRIPTS, loom_run
+import loom
+from tests.helpers import SCRIPTS, loom_run, run_ranks
+from tests.scripts.fit_job import data
 
 SCRIPT = str(SCRIPTS / "kill_matrix_job.py")
 KILL_AT, TERM_AT, SAVED_BEFORE_KILL = 3, 7, 2  # as in the script
@@ -75,3 +79,38 @@ def test_sigterm_save_resumes_bit_for_bit(group, name, tmp_path_factory):
     assert f"loom: preempted: saved step {TERM_AT} to {root / name / 'checkpoints'}" in output, output[-4000:]
     assert f"resumed from {root / name / 'checkpoints'}/step-{TERM_AT:08d}" in output, output[-4000:]
     assert not _differences(root / name, "resumed", "reference-end", GROUPS[group][0])
+
+
+def _save_go_on_and_resume(directory: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Mirrored: 3 Adam steps, a save, 3 more; then a fresh model restored from the save takes the same 3."""
+    strategy = loom.MirroredStrategy()
+    batches = list(strategy.distribute(data(18 * 6, 0), batch_size=18, shuffle=False))
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, few: list) -> list[torch.Tensor]:
+        step = strategy.train_step(model, F.cross_entropy, opt)
+        for x, y in few:
+            step(x, y)
+        return [p.detach().clone() for p in model.parameters()]
+
+    def fresh() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        return strategy.prepare(nn.Sequential(nn.Linear(6, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 2)),
+                                lambda p: torch.optim.Adam(p, lr=0.02))  # fmt: skip
+
+    model, opt = fresh()
+    train(model, opt, batches[:3])
+    strategy.save(directory, step=3, model=model, optimizer=opt)
+    went_on = train(model, opt, batches[3:])
+    model, opt = fresh()
+    strategy.restore(directory, model=model, optimizer=opt)
+    resumed = train(model, opt, batches[3:])
+    strategy.shutdown()
+    return went_on, resumed
+
+
+def test_mirrored_on_three_replicas_resumes_bit_for_bit(tmp_path):
+    """DDP used to lay its buckets out again after the first backward: a resumed run's first step all-reduced
+    in the first layout, and over three replicas the ring added some gradients up in another order."""
+    for rank, (went_on, resumed) in enumerate(run_ranks(_save_go_on_and_resume, 3, str(tmp_path), timeout=120)):
+        differ = [f"{(a - b).abs().max().item():.3g}" for a, b in zip(went_on, resumed) if not torch.equal(a, b)]
+        assert not differ, f"rank {rank}: {differ}"
