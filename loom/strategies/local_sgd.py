@@ -30,28 +30,34 @@ its own slice, and replaced by their mean over the replicas at every sync, toget
 parameters (DiLoCo averages them too: the outer step moves parameters only). Synchronised
 BatchNorm is refused: it would all-reduce in every forward, which the local steps avoid.
 
-``save`` first syncs replicas that have stepped since the last sync (and, overlapped, applies
-the outer step still in flight), so a checkpoint holds the model every replica agrees on and
-restores under any strategy. The inner optimizers' state is rank 0's (as for any replicated
-optimizer). DiLoCo's outer momentum is saved beside the model, as ``<name>_diloco_outer``, and
-restored with it, so a resumed run goes on as the saved one would have; a checkpoint without it
-(saved under another strategy) starts the outer momentum afresh.
+``save`` changes nothing about the training that follows: it does not sync. Under the model's
+name it writes the model the replicas agree on (their mean while they are apart, which is what
+local SGD's next sync would make), so the checkpoint restores under any strategy; under the
+optimizer's name replica 0's inner optimizer state. Beside them, ``<name>_replica<r>`` holds what
+is replica r's own (its parameters and buffers while apart, where its overlapped period began,
+its optimizer's tensors, its fp16 loss scale) and ``<name>_local_sgd`` what they hold alike (the
+steps into the period, DiLoCo's anchor, outer momentum and the mean in flight). Restored on the
+same number of replicas, every replica goes on from its own state, bit for bit as the run that
+was saved (``tests/checkpoint/test_kill_matrix.py`` kills one mid-period). On another number, or
+from another strategy's checkpoint, every replica starts from the saved model and replica 0's
+optimizer state, as after a sync (DiLoCo keeps its saved outer momentum); another number of
+replicas is warned about, since the run goes on differently from then.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom import comm
 from loom.strategies.base import OptimizerFactory, unwrap
+from loom.strategies.local_sgd_comms import InFlight, average
+from loom.strategies.local_sgd_state import REPLICA_SUFFIX, SHARED_SUFFIX, Absent, ReplicaState, SharedState, agreed
 from loom.strategies.mirrored import MultiWorkerMirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 
@@ -149,196 +155,6 @@ class Replicas:
         self.outer.zero_grad(set_to_none=True)
         self.outer_steps += 1
 
-
-
-class InFlight:
-    """Pseudo-gradients being averaged in the background: one flat all-reduce per dtype, waited for on ``mean``."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.shapes = [t.shape for t in tensors]
-        self.dtypes = [t.dtype for t in tensors]
-        self.flat = {dtype: torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype]) for dtype in dict.fromkeys(self.dtypes)}
-        self.works = [dist.all_reduce(flat, group=dist.group.WORLD, async_op=True) for flat in self.flat.values()]
-        self._mean: list[torch.Tensor] | None = None
-
-    @classmethod
-    def arrived(cls, mean: list[torch.Tensor]) -> InFlight:
-        """One whose mean is already known (restored from a checkpoint)."""
-        done = cls.__new__(cls)
-        done._mean = [t.clone() for t in mean]
-        return done
-
-    def mean(self) -> list[torch.Tensor]:
-        """Waited for once; a save reads it before the sync that applies it."""
-        if self._mean is not None:
-            return self._mean
-        for work in self.works:
-            work.wait()
-        world = dist.get_world_size()
-        offsets = dict.fromkeys(self.flat, 0)
-        out = []
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            n = shape.numel()
-            out.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape).div_(world))
-            offsets[dtype] += n
-        self._mean = out
-        return out
-
-
-SHARED_SUFFIX = "_local_sgd"  # beside a model: what its replicas hold alike (the period, DiLoCo's outer state)
-REPLICA_SUFFIX = "_replica"  # + the replica's index: what is its own (its parameters while apart, its optimizer state)
-
-
-class SharedState:
-    """What every replica of a model holds alike: the period's count, and DiLoCo's anchor, outer momentum and the
-    mean in flight. Every replica saves the same values (DCP writes them once).
-
-    ``saved``: the checkpoint's plain values of it, when loading (they say which tensors it holds);
-    ``period=False`` loads the outer momentum and the counts only (another number of replicas).
-    """
-
-    def __init__(self, replicas: Replicas, saved: dict[str, Any] | None = None, period: bool = True) -> None:
-        self.replicas, self.saved, self.period = replicas, saved, period
-
-    def state_dict(self) -> dict[str, Any]:
-        r = self.replicas
-        if self.saved is not None:  # tensors to load into
-            like = dict(zip(r.names, r.params))
-            return {
-                **self.saved,
-                "anchor": {n: torch.empty_like(like[n]) for n in (r.names if self.saved["outer"] else [])},
-                "momentum": {n: torch.empty_like(like[n]) for n in self.saved["momentum_names"]},
-                "in_flight": {n: torch.empty_like(like[n]) for n in (r.names if self.saved["in_flight_mean"] else [])},
-            }
-        momentum = {}
-        if r.outer is not None:
-            held = [(n, r.outer.state.get(a, {}).get("momentum_buffer")) for n, a in zip(r.names, r.anchor)]
-            momentum = {n: buffer for n, buffer in held if buffer is not None}
-        in_flight = dict(zip(r.names, r.in_flight.mean())) if r.in_flight is not None else {}
-        return {
-            "replicas": dist.get_world_size(),
-            "pending": r.pending,
-            "syncs": r.syncs,
-            "outer_steps": r.outer_steps,
-            "apart": r.apart,
-            "outer": r.outer is not None,
-            "anchor": dict(zip(r.names, r.anchor)) if r.outer is not None else {},
-            "momentum_names": list(momentum),
-            "momentum": momentum,
-            "in_flight_mean": bool(in_flight),
-            "in_flight": in_flight,
-        }
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        r = self.replicas
-        r.syncs, r.outer_steps = state["syncs"], state["outer_steps"]
-        if r.outer is not None:
-            anchors = dict(zip(r.names, r.anchor))
-            for name, buffer in state["momentum"].items():
-                r.outer.state[anchors[name]]["momentum_buffer"] = buffer.clone()
-        if not self.period:
-            return
-        r.pending = state["pending"]
-        for anchor, name in zip(r.anchor or [], r.names):
-            anchor.copy_(state["anchor"][name])
-        if state["in_flight_mean"]:
-            r.in_flight = InFlight.arrived([state["in_flight"][n] for n in r.names])
-
-
-class ReplicaState:
-    """One replica's own part of a checkpoint: its parameters and buffers while the replicas are apart (and,
-    overlapped, where its period began), and the tensors of its inner optimizers and its fp16 loss scale.
-
-    Every replica names every replica's part, so that the checkpoint lists them all; only its own holds
-    tensors. ``optimizers``: by the names they are saved under; ``None`` leaves them out (replica 0's are
-    saved under those names). ``apart``, when loading: whether the checkpoint holds the parameters.
-    """
-
-    def __init__(
-        self, replicas: Replicas, optimizers: dict[str, torch.optim.Optimizer] | None, scaler: Any, mine: bool, apart: bool | None = None
-    ) -> None:
-        self.replicas, self.optimizers, self.scaler, self.mine = replicas, optimizers or {}, scaler, mine
-        self.loading = apart is not None
-        self.apart = replicas.apart if apart is None else apart
-        self.live = self._tensors() if mine else {}  # now: a save replaces the parameters' data with their mean meanwhile
-
-    def _tensors(self) -> dict[str, Any]:
-        r = self.replicas
-        tensors: dict[str, Any] = {}
-        if self.apart:
-            tensors["params"] = {n: p.detach() for n, p in zip(r.names, r.params)}
-            tensors["buffers"] = {n: b.detach() for n, b in zip(r.buffer_names, r.buffers)}
-            if r.start is not None:
-                tensors["start"] = dict(zip(r.names, r.start))
-        by_id = {id(p): n for n, p in zip(r.names, r.params)}
-        tensors["optimizers"] = {
-            key: {by_id[id(p)]: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in opt.state.items() if id(p) in by_id}
-            for key, opt in self.optimizers.items()
-        }
-        if self.scaler is not None and self.scaler.is_enabled():
-            tensors["scaler"] = {"scale": torch.tensor(self.scaler.get_scale(), dtype=torch.float64),
-                                 "growth_tracker": torch.tensor(self.scaler._get_growth_tracker())}  # fmt: skip
-        return tensors
-
-    def state_dict(self) -> dict[str, Any]:
-        return _empty_like(self.live) if self.loading else self.live
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        live = self.live
-        for group in ("params", "buffers", "start"):
-            for name, tensor in live.get(group, {}).items():
-                tensor.copy_(state[group][name])
-        for key, by_param in live["optimizers"].items():
-            for name, tensors in by_param.items():
-                for k, tensor in tensors.items():
-                    tensor.copy_(state["optimizers"][key][name][k])
-        if "scaler" in live:
-            saved = state["scaler"]
-            self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(saved["scale"]), "_growth_tracker": int(saved["growth_tracker"])})
-
-
-class _Absent:
-    """Saved in place of an object that only replica 0 writes under its name."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
-
-
-def _empty_like(tree: Any) -> Any:
-    return {k: _empty_like(v) for k, v in tree.items()} if isinstance(tree, dict) else torch.empty_like(tree)
-
-
-@contextmanager
-def _agreed(apart: list[Replicas]) -> Iterator[None]:
-    """Within: the parameters and buffers of replicas that are apart replaced by their mean; after, as they were.
-
-    ``average`` gives each tensor new data (a view of the averaged flat buffer), so the old data
-    is put back as it was, the same storage: the training that follows does not see the save.
-    """
-    kept = [[t.data for t in r.params + r.buffers] for r in apart]
-    try:
-        with torch.no_grad():
-            for r in apart:
-                average(r.params + r.buffers)
-        yield
-    finally:
-        for r, data in zip(apart, kept):
-            for t, d in zip(r.params + r.buffers, data):
-                t.data = d
-
-
-def average(tensors: list[torch.Tensor]) -> None:
-    """Replace each tensor with its mean over the replicas, in one flat all-reduce."""
-    if not tensors:
-        return
-    from torch.distributed.algorithms.model_averaging.utils import average_parameters  # lazy: only when training
-
-    average_parameters(iter(tensors), dist.group.WORLD)
 
 
 class LocalStepOptimizer(StrategyOptimizer):
@@ -443,8 +259,8 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
             for r in range(self.num_replicas_in_sync):
                 state[f"{name}{REPLICA_SUFFIX}{r}"] = ReplicaState(replicas, optimizers[name] if r else None, scaler, mine=r == rank)
             if rank:  # replica 0's optimizers are saved under their own names; this one's in its part
-                state.update({key: _Absent() for key in optimizers[name]})
-        with self._guard(), _agreed([r for r in models.values() if r.apart]):
+                state.update({key: Absent() for key in optimizers[name]})
+        with self._guard(), agreed([r for r in models.values() if r.apart]):
             return super().save(directory, **state)
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
