@@ -35,7 +35,7 @@ GROUPS = {  # name: (processes, strategies run one after another in one job)
     "model_parallel": (2, ["sharded", "tensor_parallel", "hybrid", "pipeline"]),
 }
 ROWS = [pytest.param(group, name, marks=pytest.mark.xdist_group(f"kill_matrix_{group}")) for group, (_, names) in GROUPS.items() for name in names]
-_ran: dict[str, tuple[Path, str]] = {}
+_ran: dict[str, tuple[Path, str, str | None]] = {}
 
 
 def _matrix(group: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
@@ -43,15 +43,19 @@ def _matrix(group: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
     if group not in _ran:
         nproc, names = GROUPS[group]
         root = tmp_path_factory.mktemp(f"kill_matrix_{group}")
-        output = ""
+        output, failed = "", None
         for _ in range(len(names) + 1):  # each SIGTERM ends a launch; the last one finishes
             done = loom_run(["run", "--nproc", str(nproc), "--max-restarts", "1", "--timeout", "30", SCRIPT, str(root), ",".join(names)], timeout=240)
             output += done.stdout + done.stderr
-            assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+            if done.returncode != 0:
+                failed = f"a launch failed ({done.returncode}):\n{(done.stdout + done.stderr)[-4000:]}"
+                break
             if all((root / name / "stage").read_text() == "3" for name in names):
                 break
-        _ran[group] = root, output
-    return _ran[group]
+        _ran[group] = root, output, failed  # a failed job fails every test of its group, and runs once
+    root, output, failed = _ran[group]
+    assert failed is None, failed
+    return root, output
 
 
 def _differences(directory: Path, got: str, expected: str, nproc: int) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,6 +13,8 @@ from torch import nn
 import loom
 from tests.helpers import run_ranks
 from tests.scripts.fit_job import data
+
+pytestmark = pytest.mark.xdist_group("local_sgd_resume")  # its tests share one saving job: one test process runs them
 
 
 def _prepared(strategy: loom.Strategy):
@@ -58,25 +61,32 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_each_replica_restores_its_own_state_and_an_empty_directory_changes_nothing(tmp_path):
-    saved = run_ranks(_save_mid_period, 2, str(tmp_path), timeout=90)
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """Both replicas' results of ``_save_mid_period``, and the directory of its checkpoint."""
+    directory = tmp_path_factory.mktemp("local_sgd")
+    return run_ranks(_save_mid_period, 2, str(directory), timeout=90), directory
+
+
+def test_each_replica_restores_its_own_state_and_an_empty_directory_changes_nothing(checkpoint):
+    saved, directory = checkpoint
     for rank in saved:
         assert rank["nothing"] is None and rank["unchanged"], "restoring an empty directory changed the state"
         assert rank["in_sync_after_step_3"], "the restore of an empty directory restarted the period: no sync after step 3"
     assert not _same(saved[0]["saved"], saved[1]["saved"]), "the replicas should be apart mid-period"
-    restored = run_ranks(_restore, 2, str(tmp_path), timeout=90)
+    restored = run_ranks(_restore, 2, str(directory), timeout=90)
     for rank in range(2):
         assert _same(restored[rank]["state"], saved[rank]["saved"]), f"replica {rank} did not get its own state back"
         assert not restored[rank]["warnings"]
 
 
-def test_on_another_number_of_replicas_every_replica_starts_from_the_mean_and_replica_0s_optimizer(tmp_path):
-    saved = [rank["saved"] for rank in run_ranks(_save_mid_period, 2, str(tmp_path), timeout=90)]
-    [alone] = run_ranks(_restore, 1, str(tmp_path), timeout=90)
+def test_on_another_number_of_replicas_every_replica_starts_from_the_mean_and_replica_0s_optimizer(checkpoint):
+    saved, directory = [rank["saved"] for rank in checkpoint[0]], checkpoint[1]
+    [alone] = run_ranks(_restore, 1, str(directory), timeout=90)
     for key, value in alone["state"].items():
         expected = saved[0][key] / 2 + saved[1][key] / 2 if key.startswith("param.") else saved[0][key]
         assert torch.equal(value, expected), key
     assert alone["warnings"] == [
-        f"loom: {tmp_path}/ckpt/step-00000000 holds 2 replicas of 'model' and this job has 1: every replica starts "
+        f"loom: {directory}/ckpt/step-00000000 holds 2 replicas of 'model' and this job has 1: every replica starts "
         "from their mean with replica 0's optimizer state, as after a sync"
     ]
