@@ -7,11 +7,11 @@ step 7 the last rank sends itself SIGTERM, every rank saves and the job exits 0;
 resumes from step 7 and finishes. The same processes then train a fresh model without any
 checkpoint. Each rank's parameters and optimizer state after step 7 and at the end must equal
 the uninterrupted run's bit for bit. Local SGD and DiLoCo sync every 3 steps, so every save, the
-kill and the SIGTERM fall in the middle of a period.
+kill and the SIGTERM fall in the middle of a period (overlapped DiLoCo: with a mean in flight).
 
 Strategies of a group run one after another in the same launched job (a launch costs seconds
 of CPU): a group is one xdist group, so one test process drives it. Multi-worker mirrored runs
-as one node of two processes here (its two-node launch is tested in ``tests/launch``).
+as one node of two processes here (the contract runs it on two nodes).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ SCRIPT = str(SCRIPTS / "kill_matrix_job.py")
 KILL_AT, TERM_AT, SAVED_BEFORE_KILL = 3, 7, 2  # as in the script
 GROUPS = {  # name: (processes, strategies run one after another in one job)
     "one_device": (1, ["one_device"]),
-    "data_parallel": (2, ["mirrored", "multi_worker_mirrored", "local_sgd", "diloco"]),
+    "data_parallel": (2, ["mirrored", "multi_worker_mirrored", "local_sgd", "diloco", "diloco_overlap"]),
     "model_parallel": (2, ["sharded", "tensor_parallel", "hybrid", "pipeline"]),
 }
 ROWS = [pytest.param(group, name, marks=pytest.mark.xdist_group(f"kill_matrix_{group}")) for group, (_, names) in GROUPS.items() for name in names]
@@ -68,7 +68,7 @@ def _differences(directory: Path, got: str, expected: str, nproc: int) -> list[s
     return found
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # the first test of a group runs its job
 @pytest.mark.parametrize("group, name", ROWS)
 def test_kill_9_between_two_saves_resumes_bit_for_bit(group, name, tmp_path_factory):
     root, output = _matrix(group, tmp_path_factory)
@@ -76,7 +76,7 @@ def test_kill_9_between_two_saves_resumes_bit_for_bit(group, name, tmp_path_fact
     assert not _differences(root / name, "killed", f"reference-{TERM_AT}", GROUPS[group][0])
 
 
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)  # the first test of a group runs its job
 @pytest.mark.parametrize("group, name", ROWS)
 def test_sigterm_save_resumes_bit_for_bit(group, name, tmp_path_factory):
     root, output = _matrix(group, tmp_path_factory)

@@ -39,7 +39,9 @@ OPTIONS = {  # what a strategy needs on two processes
     "hybrid": {"mesh": {"dp": 1, "tp": 2}},
     "local_sgd": {"sync_every": 3},  # syncs after steps 3, 6 and 9: every save, the kill and the SIGTERM fall mid-period
     "diloco": {"sync_every": 3},
+    "diloco_overlap": {"sync_every": 3, "overlap_sync": True},  # a mean in flight at every save after step 3
 }
+REGISTERED = {"diloco_overlap": "diloco"}  # this script's name for a strategy with options -> the registry's
 
 
 def rank() -> int:
@@ -99,7 +101,7 @@ def run(name: str, directory: Path) -> None:
     if stage == 3:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    strategy = loom.get_strategy(name, timeout=30, **OPTIONS.get(name, {}))
+    strategy = loom.get_strategy(REGISTERED.get(name, name), timeout=30, **OPTIONS.get(name, {}))
     if stage == 0:
         train(strategy, checkpoints, Snapshot(KILL_AT, signum=signal.SIGKILL, stage=(stage_file, 1)))
         raise AssertionError(f"{name}: the last rank was not killed after step {KILL_AT}")
