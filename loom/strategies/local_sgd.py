@@ -255,7 +255,7 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         rank, scaler = self.replica_id, self.precision.scaler
         state = dict(options)
         for name, replicas in models.items():
-            state[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas)
+            state[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, scaled=scaler is not None and scaler.is_enabled())
             for r in range(self.num_replicas_in_sync):
                 state[f"{name}{REPLICA_SUFFIX}{r}"] = ReplicaState(replicas, optimizers[name] if r else None, scaler, mine=r == rank)
             if rank:  # replica 0's optimizers are saved under their own names; this one's in its part
@@ -285,10 +285,10 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
             if saved is None:  # saved under another strategy
                 continue
             same = saved["replicas"] == self.num_replicas_in_sync
-            own[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, saved, period=same)
+            own[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, saved=saved, period=same)
             if same:
                 own[f"{name}{REPLICA_SUFFIX}{self.replica_id}"] = ReplicaState(
-                    replicas, optimizers[name] if self.replica_id else None, self.precision.scaler, True, apart=saved["apart"]
+                    replicas, optimizers[name] if self.replica_id else None, self.precision.scaler, True, saved
                 )
             elif self.is_chief:
                 warnings.warn(

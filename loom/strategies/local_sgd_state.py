@@ -24,12 +24,13 @@ class SharedState:
     """What every replica of a model holds alike: the period's count, and DiLoCo's anchor, outer momentum and the
     mean in flight. Every replica saves the same values (DCP writes them once).
 
-    ``saved``: the checkpoint's plain values of it, when loading (they say which tensors it holds);
-    ``period=False`` loads the outer momentum and the counts only (another number of replicas).
+    ``scaled``: whether the replicas' parts hold an fp16 loss scale. ``saved``: the checkpoint's plain
+    values of it, when loading (they say which tensors it holds); ``period=False`` loads the outer
+    momentum and the counts only (another number of replicas).
     """
 
-    def __init__(self, replicas: Replicas, saved: dict[str, Any] | None = None, period: bool = True) -> None:
-        self.replicas, self.saved, self.period = replicas, saved, period
+    def __init__(self, replicas: Replicas, scaled: bool = False, saved: dict[str, Any] | None = None, period: bool = True) -> None:
+        self.replicas, self.scaled, self.saved, self.period = replicas, scaled, saved, period
 
     def state_dict(self) -> dict[str, Any]:
         r = self.replicas
@@ -48,6 +49,7 @@ class SharedState:
         in_flight = dict(zip(r.names, r.in_flight.mean())) if r.in_flight is not None else {}
         return {
             "replicas": dist.get_world_size(),
+            "scaled": self.scaled,
             "pending": r.pending,
             "syncs": r.syncs,
             "outer_steps": r.outer_steps,
@@ -83,15 +85,18 @@ class ReplicaState:
 
     Every replica names every replica's part, so that the checkpoint lists them all; only its own holds
     tensors. ``optimizers``: by the names they are saved under; ``None`` leaves them out (replica 0's are
-    saved under those names). ``apart``, when loading: whether the checkpoint holds the parameters.
+    saved under those names). ``saved``, when loading: the checkpoint's ``SharedState`` values, which say
+    whether it holds the parameters and a loss scale (read only into an fp16 run's scaler).
     """
 
     def __init__(
-        self, replicas: Replicas, optimizers: dict[str, torch.optim.Optimizer] | None, scaler: Any, mine: bool, apart: bool | None = None
+        self, replicas: Replicas, optimizers: dict[str, torch.optim.Optimizer] | None, scaler: Any, mine: bool, saved: dict[str, Any] | None = None
     ) -> None:
-        self.replicas, self.optimizers, self.scaler, self.mine = replicas, optimizers or {}, scaler, mine
-        self.loading = apart is not None
-        self.apart = replicas.apart if apart is None else apart
+        self.replicas, self.optimizers, self.mine = replicas, optimizers or {}, mine
+        self.scaler = scaler if scaler is not None and scaler.is_enabled() else None
+        self.loading = saved is not None
+        self.apart = saved["apart"] if saved is not None else replicas.apart
+        self.scaled = saved.get("scaled", False) if saved is not None else self.scaler is not None
         self.live = self._tensors() if mine else {}  # now: a save replaces the parameters' data with their mean meanwhile
 
     def _tensors(self) -> dict[str, Any]:
@@ -107,9 +112,9 @@ class ReplicaState:
             key: {by_id[id(p)]: {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for p, s in opt.state.items() if id(p) in by_id}
             for key, opt in self.optimizers.items()
         }
-        if self.scaler is not None and self.scaler.is_enabled():
-            tensors["scaler"] = {"scale": torch.tensor(self.scaler.get_scale(), dtype=torch.float64),
-                                 "growth_tracker": torch.tensor(self.scaler._get_growth_tracker())}  # fmt: skip
+        if self.scaled:
+            scale, tracker = (self.scaler.get_scale(), self.scaler._get_growth_tracker()) if self.scaler else (0.0, 0)
+            tensors["scaler"] = {"scale": torch.tensor(scale, dtype=torch.float64), "growth_tracker": torch.tensor(tracker)}
         return tensors
 
     def state_dict(self) -> dict[str, Any]:
@@ -125,7 +130,7 @@ class ReplicaState:
             for name, tensors in by_param.items():
                 for k, tensor in tensors.items():
                     tensor.copy_(state["optimizers"][key][name][k])
-        if "scaler" in live:
+        if "scaler" in live and self.scaler is not None:
             saved = state["scaler"]
             self.scaler.load_state_dict({**self.scaler.state_dict(), "scale": float(saved["scale"]), "_growth_tracker": int(saved["growth_tracker"])})
 
