@@ -436,11 +436,15 @@ class Strategy(ABC):
         return None
 
     def preempted(self) -> bool:
-        """Whether any replica got SIGTERM since ``loom.comm.preemption.arm()``; call it on every replica.
+        """Whether any process got SIGTERM since ``loom.comm.preemption.arm()``; call it on every replica.
 
-        True on all replicas at once, so they can save together after the same step.
+        True on every process at once (a replica's model-parallel ranks too, which save together),
+        so they can save together after the same step.
         """
-        return bool(self.reduce(float(preemption.requested()), "max"))
+        flag = torch.tensor(float(preemption.requested()), device=self.device)
+        with self._guard():
+            comm.all_reduce(flag, "max")
+        return bool(flag)
 
     @cached_property
     def _checkpointer(self) -> Checkpointer:

@@ -30,28 +30,36 @@ its own slice, and replaced by their mean over the replicas at every sync, toget
 parameters (DiLoCo averages them too: the outer step moves parameters only). Synchronised
 BatchNorm is refused: it would all-reduce in every forward, which the local steps avoid.
 
-``save`` first syncs replicas that have stepped since the last sync (and, overlapped, applies
-the outer step still in flight), so a checkpoint holds the model every replica agrees on and
-restores under any strategy. The inner optimizers' state is rank 0's (as for any replicated
-optimizer). DiLoCo's outer momentum is saved beside the model, as ``<name>_diloco_outer``, and
-restored with it, so a resumed run goes on as the saved one would have; a checkpoint without it
-(saved under another strategy) starts the outer momentum afresh.
+``save`` changes nothing about the training that follows: it does not sync. Under the model's
+name it writes the model the replicas agree on (their mean while they are apart, which is what
+local SGD's next sync would make), so the checkpoint restores under any strategy; under the
+optimizer's name replica 0's inner optimizer state. Beside them, ``<name>_replica<r>`` holds what
+is replica r's own (its parameters and buffers while apart, where its overlapped period began,
+its optimizer's tensors, its fp16 loss scale) and ``<name>_local_sgd`` what they hold alike (the
+steps into the period, DiLoCo's anchor, outer momentum and the mean in flight). Restored on the
+same number of replicas, every replica goes on from its own state, bit for bit as the run that
+was saved (``tests/checkpoint/test_kill_matrix.py`` kills one mid-period). On another number, or
+from another strategy's checkpoint, every replica starts from the saved model and replica 0's
+optimizer state, as after a sync (DiLoCo keeps its saved outer momentum); another number of
+replicas is warned about, since the run goes on differently from then.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from loom import comm
 from loom.strategies.base import OptimizerFactory, unwrap
+from loom.strategies.local_sgd_comms import InFlight, average
+from loom.strategies.local_sgd_state import REPLICA_SUFFIX, SHARED_SUFFIX, Absent, ReplicaState, SharedState, agreed
 from loom.strategies.mirrored import MultiWorkerMirroredStrategy
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 
 
 class Replicas:
@@ -63,7 +71,9 @@ class Replicas:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
-        self.buffers = [b for b in module.buffers() if b.is_floating_point()]
+        floating = [(n, b) for n, b in module.named_buffers() if b.is_floating_point()]
+        self.buffer_names = [n for n, _ in floating]
+        self.buffers = [b for _, b in floating]
         self.every = every
         self.overlap = overlap
         self.pending = 0  # inner steps since the replicas last met
@@ -147,64 +157,6 @@ class Replicas:
 
 
 
-class InFlight:
-    """Pseudo-gradients being averaged in the background: one flat all-reduce per dtype, waited for on ``mean``."""
-
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
-        self.shapes = [t.shape for t in tensors]
-        self.dtypes = [t.dtype for t in tensors]
-        self.flat = {dtype: torch.cat([t.reshape(-1) for t in tensors if t.dtype == dtype]) for dtype in dict.fromkeys(self.dtypes)}
-        self.works = [dist.all_reduce(flat, group=dist.group.WORLD, async_op=True) for flat in self.flat.values()]
-
-    def mean(self) -> list[torch.Tensor]:
-        for work in self.works:
-            work.wait()
-        world = dist.get_world_size()
-        offsets = dict.fromkeys(self.flat, 0)
-        out = []
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            n = shape.numel()
-            out.append(self.flat[dtype][offsets[dtype]:offsets[dtype] + n].view(shape).div_(world))
-            offsets[dtype] += n
-        return out
-
-
-class OuterState:
-    """DiLoCo's outer momentum in a checkpoint, by parameter name (the anchor is the saved model itself).
-
-    ``loading``: zeros for the buffers ``names`` the checkpoint holds, for DCP to load into.
-    """
-
-    def __init__(self, replicas: Replicas, loading: list[str] | None = None) -> None:
-        self.replicas, self.loading = replicas, loading
-
-    def state_dict(self) -> dict[str, Any]:
-        replicas = self.replicas
-        anchors = dict(zip(replicas.names, replicas.anchor))
-        if self.loading is not None:
-            return {"outer_steps": 0, "names": self.loading, "momentum": {n: torch.zeros_like(anchors[n]) for n in self.loading}}
-        held = {n: replicas.outer.state[a]["momentum_buffer"] for n, a in anchors.items() if "momentum_buffer" in replicas.outer.state.get(a, {})}
-        return {"outer_steps": replicas.outer_steps, "names": list(held), "momentum": held}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        anchors = dict(zip(self.replicas.names, self.replicas.anchor))
-        for name, buffer in state.get("momentum", {}).items():
-            self.replicas.outer.state[anchors[name]]["momentum_buffer"] = buffer.clone()
-        self.replicas.outer_steps = state["outer_steps"]
-
-
-OUTER_SUFFIX = "_diloco_outer"  # a model's outer momentum is saved beside it under this name
-
-
-def average(tensors: list[torch.Tensor]) -> None:
-    """Replace each tensor with its mean over the replicas, in one flat all-reduce."""
-    if not tensors:
-        return
-    from torch.distributed.algorithms.model_averaging.utils import average_parameters  # lazy: only when training
-
-    average_parameters(iter(tensors), dist.group.WORLD)
-
-
 class LocalStepOptimizer(StrategyOptimizer):
     """The user's optimizer; after each of its real steps the model's replicas may meet."""
 
@@ -280,25 +232,72 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
     def _prepared(self, state: dict[str, Any]) -> dict[str, Replicas]:
         return {name: self._replicas[unwrap(m)] for name, m in state.items() if isinstance(m, nn.Module) and unwrap(m) in self._replicas}
 
+    def _optimizers_of(self, state: dict[str, Any], models: dict[str, Replicas]) -> dict[str, dict[str, torch.optim.Optimizer]]:
+        """By model name: the optimizers in ``state`` that step its parameters, by their own names."""
+        found: dict[str, dict[str, torch.optim.Optimizer]] = {name: {} for name in models}
+        for key, value in state.items():
+            if isinstance(value, torch.optim.Optimizer):
+                first = next(p for group in value.param_groups for p in group["params"])
+                for name, replicas in models.items():
+                    if any(first is p for p in replicas.params):
+                        found[name][key] = inner_optimizer(value)
+        return found
+
     def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        """Sync first: the checkpoint is the model every replica agrees on, with DiLoCo's outer momentum beside it."""
-        self.sync()
-        outer = {f"{name}{OUTER_SUFFIX}": OuterState(r) for name, r in self._prepared(options).items() if r.outer is not None}
-        return super().save(directory, **options, **outer)
+        """The model the replicas agree on, and each replica's own state beside it; the training is left as it was.
+
+        Under the model's name: the replicas' mean while they are apart (what local SGD's next sync
+        would make), else the model they agreed on. Its optimizers' names hold replica 0's state;
+        ``<name>_replica<r>`` replica r's own, ``<name>_local_sgd`` the period and DiLoCo's outer state.
+        """
+        models = self._prepared(options)
+        optimizers = self._optimizers_of(options, models)
+        rank, scaler = self.replica_id, self.precision.scaler
+        state = dict(options)
+        for name, replicas in models.items():
+            state[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, scaled=scaler is not None and scaler.is_enabled())
+            for r in range(self.num_replicas_in_sync):
+                state[f"{name}{REPLICA_SUFFIX}{r}"] = ReplicaState(replicas, optimizers[name] if r else None, scaler, mine=r == rank)
+            if rank:  # replica 0's optimizers are saved under their own names; this one's in its part
+                state.update({key: Absent() for key in optimizers[name]})
+        with self._guard(), agreed([r for r in models.values() if r.apart]):
+            return super().save(directory, **state)
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        restored = super().restore(directory, **options)
+        """Each replica goes on from its own state, as the saved run did (same number of replicas).
+
+        On another number of replicas, or from another strategy's checkpoint, every replica starts
+        from the saved model and replica 0's optimizer state, as after a sync (DiLoCo keeps the outer
+        momentum it saved). With no checkpoint yet nothing changes.
+        """
         models = self._prepared(options)
-        for replicas in models.values():
-            replicas.reset()  # the restored parameters are the new anchor
-        if restored is None or not any(r.outer is not None for r in models.values()):
-            return restored
+        restored = super().restore(directory, **options)  # the agreed model, replica 0's optimizers, the rest
+        if restored is None:
+            return None
         from loom.checkpoint import layout  # lazy: only on restore
 
         plain = layout.read_json(Path(restored["path"]) / "loom.json")["plain"]
-        outer = {key: OuterState(r, plain[key]["names"]) for name, r in models.items() if (key := f"{name}{OUTER_SUFFIX}") in plain}
-        if outer:  # saved under DiLoCo: its outer momentum goes on
-            super().restore(restored["path"], **outer)
+        optimizers = self._optimizers_of(options, models)
+        own: dict[str, Any] = {}
+        for name, replicas in models.items():
+            replicas.reset()  # the restored parameters are the anchor, unless the checkpoint says more
+            saved = plain.get(f"{name}{SHARED_SUFFIX}")
+            if saved is None:  # saved under another strategy
+                continue
+            same = saved["replicas"] == self.num_replicas_in_sync
+            own[f"{name}{SHARED_SUFFIX}"] = SharedState(replicas, saved=saved, period=same)
+            if same:
+                own[f"{name}{REPLICA_SUFFIX}{self.replica_id}"] = ReplicaState(
+                    replicas, optimizers[name] if self.replica_id else None, self.precision.scaler, True, saved
+                )
+            elif self.is_chief:
+                warnings.warn(
+                    f"loom: {restored['path']} holds {saved['replicas']} replicas of '{name}' and this job has "
+                    f"{self.num_replicas_in_sync}: every replica starts from their mean with replica 0's optimizer state, as after a sync",
+                    stacklevel=2,
+                )
+        if own:
+            super().restore(restored["path"], **own)
         return restored
 
     def __repr__(self) -> str:

@@ -188,9 +188,28 @@ def auto_bucket_cap_mb(shapes: list[torch.Size], element_size: int = 4) -> float
 
 
 class ReplicatedModule(DistributedDataParallel):
-    """DDP, with its unused-parameter error turned into one line that names the parameters."""
+    """DDP with its gradient buckets laid out once, when it is made, and its unused-parameter error in one line.
+
+    DDP lays its buckets out again after the first backward, in the order the gradients came. A
+    job restarted from a checkpoint took its first step in the first layout, where a gradient
+    sits elsewhere in the all-reduced buffer, so in another chunk of the ring: over three or more
+    replicas its sum was added up in another order, and the resumed run ended 1e-7 off. Here the
+    layout is made at once, from the parameters in reverse order (the order DDP assumes their
+    gradients come in: the last layers' first, so the first bucket's all-reduce overlaps the
+    rest of the backward pass), and every step of every run reduces alike.
+    """
 
     synced_once = False  # a static graph is recorded in a synchronised backward: none may be skipped before
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.reducer._push_all_rebuilt_params()  # as if a backward had handed every gradient, in reverse order
+        self.reducer._rebuild_buckets()  # the layout, for good (a no-op with find_unused_parameters: DDP never relays then)
+
+    def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
+        """The parameters in reverse order, so the layout made from them puts the last layers' in the first bucket."""
+        parameters, sparse = super()._build_params_for_reducer()
+        return parameters[::-1], sparse[::-1]
 
     @property
     def may_skip_sync(self) -> bool:
@@ -209,7 +228,8 @@ class ReplicatedModule(DistributedDataParallel):
     def _unused_message(self, error: str) -> str:
         names = [n.replace("_orig_mod.", "") for n, p in self.module.named_parameters() if p.requires_grad and n not in self.parameters_to_ignore]
         found = re.search(r"did not receive grad for rank \d+: ([\d ,]+)", error)
-        unused = [names[int(i)] for i in re.findall(r"\d+", found.group(1)) if int(i) < len(names)] if found else []
+        indices = sorted(len(names) - 1 - int(i) for i in re.findall(r"\d+", found.group(1)) if int(i) < len(names)) if found else []
+        unused = [names[i] for i in indices]  # DDP counts the parameters in reverse (_build_params_for_reducer)
         which = f"parameter(s) {', '.join(unused)}" if unused else "some parameters"
         return (
             f"{which} got no gradient in the previous step (not used to compute the loss), which DDP cannot "
