@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from typing import NoReturn
 
 import torch.distributed as dist
 
@@ -61,6 +62,7 @@ class HealthMonitor:
         # This rank is failing and says why: the agent's SIGTERM must not relabel it a victim,
         # nor cut it off before its error is recorded; it ends the rank once the error is.
         self._failing = self._reported = self._terminated = False
+        self._leaving = threading.Lock()  # held by the thread that says the last line and ends the rank
 
     def _connect(self) -> dist.TCPStore:
         return dist.TCPStore(
@@ -120,7 +122,7 @@ class HealthMonitor:
                 self._contact = time.monotonic()
             except Exception:  # unreachable: _watch_contact decides when that is fatal
                 silent = []
-            if silent and not self._stop.is_set():
+            if silent and not self._stop.is_set() and not self._failing:  # a failing rank says why itself
                 self._give_up("; ".join(silent))
             self._stop.wait(self.interval)
 
@@ -136,6 +138,8 @@ class HealthMonitor:
                 )
 
     def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict]) -> list[str]:
+        """Peers that are gone: on this host, a process that exited (seen at once, by its pid);
+        anywhere, one whose heartbeat stopped for ``silence_limit``."""
         now, silent = time.monotonic(), []
         for r in range(self.spec.world_size):
             if r == self.spec.rank:
@@ -146,22 +150,38 @@ class HealthMonitor:
                 members[r] = json.loads(store.get(self._key("member", r)))
             if store.check([self._key("done", r)]):
                 continue
+            info = members[r]
+            if info["host"] == self.host and not _pid_alive(info["pid"]):
+                silent.append(self._how_it_ended(store, r, info))
+                continue
             beats = store.add(self._key("beat", r), 0)
             last = heard.get(r)
             if last is None or last[0] != beats:
                 heard[r] = (beats, now)
             elif now - last[1] > self.silence_limit:
-                info = members[r]
-                gone = info["host"] == self.host and not _pid_alive(info["pid"])
-                silent.append(f"{_where(r, info)} {'died' if gone else _silent_for(self.silence_limit)}")
+                silent.append(f"{_where(r, info)} {_silent_for(self.silence_limit)}")
         return silent
+
+    def _how_it_ended(self, store: dist.TCPStore, rank: int, member: dict) -> str:
+        """A peer whose process is gone: its own failure, the cause it stopped for, or a death."""
+        if store.check([self._key("failed", rank)]):
+            return f"{_where(rank, member)} failed: {store.get(self._key('failed', rank)).decode()}"
+        if store.check([self._key("victim", rank)]):
+            return store.get(self._key("victim", rank)).decode()  # it named the root cause
+        return f"{_where(rank, member)} died"
 
     def _give_up(self, reason: str, post: bool = True) -> None:
         """The main thread may be stuck in a collective that will never finish: exit from here."""
         if post:
             self.post_failure(reason, victim=True)
-        _say(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}")
-        os._exit(RankFailureError.EXIT_CODE)
+        self._leave(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}", RankFailureError.EXIT_CODE)
+
+    def _leave(self, line: str, code: int) -> NoReturn:
+        """Say ``line`` and end the process, unless another thread already does: one last line per rank."""
+        if self._leaving.acquire(blocking=False):
+            _say(line)
+            os._exit(code)
+        threading.Event().wait()  # the other thread ends the process
 
     def post_failure(self, reason: str, victim: bool = False) -> None:
         """Tell the other ranks why this one is about to exit.
@@ -291,8 +311,7 @@ class HealthMonitor:
                 except LoomError as named:  # handled here, so the worker's hook records this one
                     return self._excepthook(type(named), named, named.__traceback__)
         if isinstance(exc, RankFailureError):  # a victim, not a cause: one line is the whole story
-            _say(f"loom: {exc}")
-            os._exit(RankFailureError.EXIT_CODE)  # skip teardown: the group is broken and may hang
+            self._leave(f"loom: {exc}", RankFailureError.EXIT_CODE)  # skip teardown: the group is broken and may hang
         self.post_failure("".join(traceback.format_exception_only(exc_type, exc)).strip())
         self._previous_excepthook(exc_type, exc, tb)
         self._reported = True
@@ -313,8 +332,7 @@ class HealthMonitor:
         if reason:
             self.post_failure(reason, victim=True)
         why = f"cannot continue: {reason}" if reason else "terminated by SIGTERM"
-        _say(f"loom: rank {self.spec.rank} on {self.host} {why}")
-        os._exit(RankFailureError.EXIT_CODE if reason else 128 + signal.SIGTERM)
+        self._leave(f"loom: rank {self.spec.rank} on {self.host} {why}", RankFailureError.EXIT_CODE if reason else 128 + signal.SIGTERM)
 
 
 def _where(rank: int, member: dict) -> str:
