@@ -4,7 +4,8 @@ Workers started by ``loom run`` hand their exception to torchrun's agent through
 file (``loom.launch.worker``) instead of printing it, so that four ranks failing the same way
 print one traceback, not four. Ranks that exited because another one failed
 (``RankFailureError.EXIT_CODE``, or the agent's SIGTERM) are not causes, even when they
-exited first (a stuck rank is the last to go).
+exited first (a stuck rank is the last to go), nor is a rank killed by SIGKILL once the agent's
+SIGTERM has waited for it in vain.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from loom.errors import RankFailureError
 
 # How a rank ends when the agent stops it because another one failed.
 _STOPPED = {RankFailureError.EXIT_CODE, -signal.SIGTERM, 128 + signal.SIGTERM}
+# torch's agent kills a rank that its SIGTERM has not ended within 30 s (``PContext.close``);
+# a failure's timestamp is in whole seconds.
+_SIGKILL_AFTER = 30 - 1
+
+
+def _stopped(failure: ProcessFailure, first_failure: int) -> bool:
+    """Whether the rank ended the way a rank the agent stops does (``first_failure``: when the first rank failed)."""
+    late = failure.timestamp - first_failure >= _SIGKILL_AFTER
+    return failure.exitcode in _STOPPED or (failure.exitcode == -signal.SIGKILL and late)
 
 
 def exception_of(failure: ProcessFailure) -> tuple[str, str] | None:
@@ -59,7 +69,8 @@ def cause(failures: Mapping[int, ProcessFailure], world_size: int) -> str:
     otherwise each way of failing is named with its ranks, and the ranks that stopped
     because of them are listed last.
     """
-    causes = {r: f for r, f in failures.items() if exception_of(f) is not None or f.exitcode not in _STOPPED}
+    first = min(f.timestamp for f in failures.values())
+    causes = {r: f for r, f in failures.items() if exception_of(f) is not None or not _stopped(f, first)}
     causes = causes or dict(failures)
     groups: dict[str, list[int]] = {}
     for rank, failure in sorted(causes.items(), key=lambda item: (item[1].timestamp, item[0])):
