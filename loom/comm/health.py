@@ -5,7 +5,10 @@ outlives any worker), beats a counter there, and posts a notice when it fails wi
 exception. When a collective breaks, or the agent tears the job down, a survivor reads
 those records and says which rank failed and where. When every rank is alive but a
 collective timed out, the first rank to see it compares every rank's record of its
-collectives (``collective_log``, ``hangs``) and says where they part.
+collectives (``collective_log``, ``hangs``) and says where they part. It need not wait for
+the timeout: when a rank's main thread has not moved for ``LOOM_HANG_CHECK`` seconds, its
+heartbeat thread compares the records, and stops the job if they show a hang that no wait
+can end (ranks in different collectives, one run under ``if is_chief:`` on the chief only).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from typing import NoReturn
 
@@ -52,6 +56,7 @@ class HealthMonitor:
         self.spec = spec
         self.interval = interval
         self.silence_limit = resolve_silence_limit()
+        self.hang_check = resolve_hang_check()
         self.host = spec.host
         self._store_timeout = timedelta(seconds=store_timeout)
         self._store = self._connect()
@@ -108,23 +113,67 @@ class HealthMonitor:
 
     def _beat(self) -> None:
         """Beat, and watch the others: a peer silent for ``silence_limit`` stops the job now,
-        not at the collective timeout."""
+        not at the collective timeout; so does a hang the records show once the main thread
+        has stood still for ``hang_check``."""
         store = self._connect()  # a client of its own: the main thread may be using the other
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
         answered = 0  # requests for this rank's record of collectives
+        main, still_since, checked = None, time.monotonic(), 0.0  # where the main thread is, since when
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
                 answered = self._answer_record_requests(store, answered)
-                silent = self._silent_peers(store, heard, members)
-                self._contact = time.monotonic()
+                silent = self._silent_peers(store, heard, members) or self._found_by_another(store)
+                self._contact = now = time.monotonic()
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                here = (id(frame), frame.f_lasti) if frame is not None else None
+                if here != main:
+                    main, still_since = here, now
+                elif now - still_since >= self.hang_check and now - checked >= self.hang_check:
+                    checked = now
+                    self._check_for_hang(store)
             except Exception:  # unreachable: _watch_contact decides when that is fatal
                 silent = []
             if silent and not self._stop.is_set() and not self._failing:  # a failing rank says why itself
                 self._give_up("; ".join(silent))
             self._stop.wait(self.interval)
+
+    def _found_by_another(self, store: dist.TCPStore) -> list[str]:
+        """The hang another rank found (this rank may wait in C++, where no exception reaches it)."""
+        finding = self._key("hang", 0)
+        if not store.check([finding]):
+            return []
+        answer = json.loads(store.get(finding))
+        return [f"rank {answer['rank']} found the job hung: {answer['found']}"] if answer["found"] and answer["rank"] != self.spec.rank else []
+
+    def _check_for_hang(self, store: dist.TCPStore) -> None:
+        """The main thread has stood still: if every rank's record shows a hang no wait can end, fail with it now."""
+        from loom.comm import collective_log
+        from loom.comm.hangs import HangError, explain
+
+        prefix, world = self._namespace(), self.spec.world_size
+        asked = collective_log.request(store, prefix)
+        collective_log.publish(store, prefix, self._record(), asked)
+        records = collective_log.collect(store, prefix, world, asked, wait=3 * self.interval)
+        found = explain(records, world, certain=True) if len(records) == world else None
+        if not found or self._failing or store.add(self._key("hang-claim", 0), 1) != 1:
+            return  # nothing certain yet, or another rank reports it (its finding reaches this one)
+        self._failing = True
+        store.set(self._key("hang", 0), json.dumps({"rank": self.spec.rank, "found": found}))
+        self._fail(HangError(found), store)
+
+    def _fail(self, error: LoomError, store: dist.TCPStore) -> NoReturn:
+        """Fail this rank with ``error`` from the heartbeat thread, as if the main thread, which is
+        stuck, had raised it there: recorded for the launcher (or printed) with the main thread's stack."""
+        store.set(self._key("failed", self.spec.rank), "".join(traceback.format_exception_only(type(error), error)).strip()[:500])
+        try:
+            raise error
+        except LoomError as raised:
+            raised.__traceback__ = _traceback_of(sys._current_frames().get(threading.main_thread().ident))
+            self._previous_excepthook(type(raised), raised, raised.__traceback__)
+        self._leave(None, 1)
 
     def _watch_contact(self) -> None:
         """A store call can block for good when this host is cut off: watch from another thread."""
@@ -176,10 +225,11 @@ class HealthMonitor:
             self.post_failure(reason, victim=True)
         self._leave(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}", RankFailureError.EXIT_CODE)
 
-    def _leave(self, line: str, code: int) -> NoReturn:
+    def _leave(self, line: str | None, code: int) -> NoReturn:
         """Say ``line`` and end the process, unless another thread already does: one last line per rank."""
         if self._leaving.acquire(blocking=False):
-            _say(line)
+            if line is not None:
+                _say(line)
             os._exit(code)
         threading.Event().wait()  # the other thread ends the process
 
@@ -346,6 +396,20 @@ def _silent_for(seconds: float) -> str:
 def resolve_silence_limit() -> float:
     """Seconds without a peer's heartbeat before it counts as gone (``LOOM_HEARTBEAT_TIMEOUT``, default 30)."""
     return seconds_from_env("LOOM_HEARTBEAT_TIMEOUT", 30.0)
+
+
+def resolve_hang_check() -> float:
+    """Seconds the main thread stands still before the ranks' records are compared (``LOOM_HANG_CHECK``, default 15)."""
+    return seconds_from_env("LOOM_HANG_CHECK", 15.0)
+
+
+def _traceback_of(frame: types.FrameType | None) -> types.TracebackType | None:
+    """A traceback through ``frame`` and its callers, as if an exception were raised there."""
+    tb = None
+    while frame is not None:
+        tb = types.TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return tb
 
 
 def _say(line: str) -> None:

@@ -25,8 +25,9 @@ from loom.errors import LaunchError
 WORKER = "loom.launch.worker"
 
 
-def main_frames(limit: int = 12) -> list[dict[str, Any]]:
-    """The main thread's frames, innermost first, each with its source line."""
+def main_frames(limit: int = 40) -> list[dict[str, Any]]:
+    """The main thread's frames, innermost first, each with its source line (deep enough to reach the user's
+    code from inside torch's hooks)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     frames = []
     while frame is not None and len(frames) < limit:
@@ -98,7 +99,9 @@ def where(record: dict[str, Any]) -> str:
 
 
 def call_name(call: dict[str, Any]) -> str:
-    site = f" ({Path(call['frames'][0]['file']).name}:{call['frames'][0]['line']})" if call["frames"] else ""
+    """``all_reduce #57 of group 1 (train.py:88)``: the line it was called from, or the user's line it waits at."""
+    frames = call["frames"] or call.get("where")
+    site = f" ({Path(frames[0]['file']).name}:{frames[0]['line']})" if frames else ""
     group = "" if call["group"] == "0" else f" of group {call['group']}"
     return f"{call['op']} #{call['seq']}{group}{site}"
 

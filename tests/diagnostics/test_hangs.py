@@ -1,6 +1,7 @@
 """A hung job's final message says where each rank is and why, from the ranks' collective records."""
 
 import re
+import time
 
 import pytest
 
@@ -177,3 +178,20 @@ def test_loom_stacks_prints_where_each_rank_of_a_running_job_is(capsys):
     assert out[:3] == ["rank 0 (h, pid 1): in barrier #2 (train.py:95)", "  /x/train.py:95 in <module>", "      dist.barrier()"]
     assert out[3] == "rank 1 (h, pid 1): in all_reduce #2 (train.py:88)"
     assert out[-1] == "loom: collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while rank 0 is in barrier #2 (train.py:95)"
+
+
+def test_a_chief_only_evaluation_under_sharded_is_named_within_60_s_not_at_the_timeout():
+    # The collective timeout is the default 300 s: the main thread standing still for
+    # LOOM_HANG_CHECK (15 s) has the records compared, and they show the divergence.
+    script = SCRIPTS / "chief_only_job.py"
+    job = loom_run(["run", "--nproc", "2", "--threads", "1", str(script)], timeout=200)
+    ended = time.time()
+    assert job.returncode != 0
+    diverged = float(re.search(r"evaluating at ([\d.]+)", job.stdout).group(1))
+    assert ended - diverged < 60, f"named {ended - diverged:.0f}s after the divergence"
+    lines = script.read_text().splitlines()
+    at = {marker: next(i for i, text in enumerate(lines, 1) if marker in text) for marker in ("EVAL_FORWARD", "TRAIN_STEP", "if step == 2")}
+    last = job.stderr.strip().splitlines()[-1]
+    assert last.startswith("loom: job failed: rank ") and " failed: HangError: " in last, job.stderr[-3000:]
+    assert re.search(rf"rank 1 ran all_gather #\d+ \(chief_only_job.py:{at['TRAIN_STEP']}\) while rank 0 ran all_gather #\d+ \(chief_only_job.py:{at['EVAL_FORWARD']}\)", last), last
+    assert f"all_gather at chief_only_job.py:{at['EVAL_FORWARD']} runs under `if step == 2 and dist.get_rank() == 0:` (chief_only_job.py:{at['if step == 2']}), on some ranks only" in last, last
