@@ -158,6 +158,14 @@ def _ran_on_some_only(calls: dict[int, dict[int, Call]]) -> list[str]:
     return found
 
 
+def aborted(position: dict[str, Any]) -> tuple[str, str]:
+    """For a rank ended in a collective (``stacks.aborted_in``): ``reduce (train.py:24)``, and why
+    that is the usual cause (the rank-dependent ``if`` around it, when the code shows one)."""
+    call = {"group": "0", "seq": 0, "op": position["op"], "frames": position["frames"], "done": False}
+    mismatch = "the ranks' collectives did not match (gloo aborts a rank that receives more than its collective expects)"
+    return f"{position['op']} ({_place(call)})", f"{mismatch}; {_conditional(call) or _SOME_RANKS}"
+
+
 def explain(records: dict[int, Record], world_size: int, certain: bool = False) -> str | None:
     """One paragraph naming where the ranks' collectives part, or None when the records agree and none waits.
 

@@ -13,6 +13,7 @@ can end (ranks in different collectives, one run under ``if is_chief:`` on the c
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -31,6 +32,12 @@ from loom.comm import preemption
 from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
+FAULT_DUMP_ENV = "LOOM_FAULT_DUMPS"  # a folder, set by loom's launcher, which reads the dumps there
+
+
+def fault_path(folder: str, rank: int) -> str:
+    """Where rank ``rank`` leaves its Python stacks when a fatal signal ends it."""
+    return os.path.join(folder, f"rank-{rank}.fault")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -89,7 +96,7 @@ class HealthMonitor:
         from loom.comm import collective_log  # imported on use: its stacks module reads this one's PREFIX
 
         collective_log.arm()
-        me = {"host": self.host, "pid": os.getpid()}
+        me = {"host": self.host, "pid": os.getpid(), **self._dump_faults()}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
         self._contact = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
@@ -98,6 +105,17 @@ class HealthMonitor:
         sys.excepthook = self._excepthook
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _dump_faults(self) -> dict[str, str]:
+        """Have a fatal signal (gloo's abort on a collective mismatch) leave this rank's Python stacks in a file
+        the launcher and the peers on this host read, when loom's launcher asked for it; its path, for the peers."""
+        folder = os.environ.get(FAULT_DUMP_ENV)
+        if not folder or not os.path.isdir(folder) or faulthandler.is_enabled():
+            return {}
+        path = fault_path(folder, self.spec.rank)
+        self._fault_file = open(path, "w")  # kept open: faulthandler writes to its descriptor
+        faulthandler.enable(file=self._fault_file, all_threads=True)
+        return {"faults": path}
 
     def stop(self) -> None:
         try:  # a rank that finished is not a rank that stopped responding
@@ -217,7 +235,25 @@ class HealthMonitor:
             return f"{_where(rank, member)} failed: {store.get(self._key('failed', rank)).decode()}"
         if store.check([self._key("victim", rank)]):
             return store.get(self._key("victim", rank)).decode()  # it named the root cause
-        return f"{_where(rank, member)} died"
+        return self._death(rank, member)
+
+    def _death(self, rank: int, member: dict) -> str:
+        """``rank 1 (h, pid 5) died``; where it was and why, when it ended in a collective (gloo's abort)."""
+        from loom.comm.hangs import aborted
+        from loom.comm.stacks import aborted_in, call_name
+
+        try:
+            with open(member["faults"]) as f:
+                position = aborted_in(f.read())
+        except (KeyError, OSError):
+            position = None
+        if position is None:
+            return f"{_where(rank, member)} died"
+        site, why = aborted(position)
+        calls = self._record(failed_in_last=True)["calls"]  # its partner is gone: the newest waits for good (DDP's, placed at the user's line)
+        mine = next((c for c in reversed(calls) if not c["done"]), calls[-1] if calls else None)
+        here = f" while rank {self.spec.rank} is in {call_name(mine)}" if mine else ""
+        return f"{_where(rank, member)} was aborted in {site}{here}: {why}"
 
     def _give_up(self, reason: str, post: bool = True) -> None:
         """The main thread may be stuck in a collective that will never finish: exit from here."""
@@ -280,7 +316,7 @@ class HealthMonitor:
             if self._store.check([notice]):
                 found.append(f"{_where(r, info)} failed: {self._store.get(notice).decode()}")
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
-                found.append(f"{_where(r, info)} died")
+                found.append(self._death(r, info))
         if not found and sample_heartbeats:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import threading
 from datetime import timedelta
@@ -36,6 +37,22 @@ def main_frames(limit: int = 40) -> list[dict[str, Any]]:
                        "code": linecache.getline(code.co_filename, frame.f_lineno).strip()})  # fmt: skip
         frame = frame.f_back
     return frames
+
+
+_FAULT_FRAME = re.compile(r'^  File "(.+)", line (\d+) in (.+)$')
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def aborted_in(dump: str) -> dict[str, Any] | None:
+    """The collective a process was in when a fatal signal ended it, from its ``faulthandler`` dump:
+    ``{"op": "reduce", "frames": [the user's frames, innermost first]}``; None when no thread was in one."""
+    for block in dump.split("\n\n"):
+        frames = [{"file": m[1], "line": int(m[2]), "name": m[3]} for m in map(_FAULT_FRAME.match, block.splitlines()) if m]
+        op = next((f["name"] for f in frames if f["file"].endswith(_C10D)), None)
+        users = collective_log.user_frames(frames)
+        if op is not None and users:
+            return {"op": op, "frames": users[:3]}
+    return None
 
 
 def describe(frames: list[dict[str, Any]], depth: int = 4) -> str:

@@ -8,8 +8,12 @@ rendezvous, and each restart with its attempt number and cause.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -22,6 +26,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from loom.cluster import NodeSpec, seconds_from_env
 from loom.compat import elastic_agent
 from loom.comm import collective_log
+from loom.comm.health import FAULT_DUMP_ENV
 from loom.errors import LaunchError
 from loom.launch.failures import report
 
@@ -136,6 +141,9 @@ def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> Cont
     """Have torchrun, called in this block, run its workers under a ``ReportingAgent``."""
 
     collective_log.arm_workers()  # before any worker's process group exists, whatever its backend
+    if FAULT_DUMP_ENV not in os.environ:  # a worker ended by a signal leaves its stacks there, for ``failures``
+        os.environ[FAULT_DUMP_ENV] = tempfile.mkdtemp(prefix="loom-faults-")
+        atexit.register(shutil.rmtree, os.environ[FAULT_DUMP_ENV], ignore_errors=True)
 
     def build(**kwargs: Any) -> ReportingAgent:
         return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, **kwargs)

@@ -10,12 +10,16 @@ SIGTERM has waited for it in vain.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 from collections.abc import Mapping
 
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from loom.comm.hangs import aborted
+from loom.comm.health import FAULT_DUMP_ENV, fault_path
+from loom.comm.stacks import aborted_in
 from loom.errors import RankFailureError
 
 # How a rank ends when the agent stops it because another one failed.
@@ -39,11 +43,25 @@ def exception_of(failure: ProcessFailure) -> tuple[str, str] | None:
     return data["message"], data.get("extraInfo", {}).get("py_callstack", "")
 
 
-def _what(failure: ProcessFailure, plural: bool) -> str:
+def fault_dump(rank: int) -> str:
+    """The Python stacks a worker ended by a signal left (``HealthMonitor`` has ``faulthandler`` write them
+    where this launcher's agent said); "" if none."""
+    try:
+        with open(fault_path(os.environ[FAULT_DUMP_ENV], rank)) as f:
+            return f.read()
+    except (KeyError, OSError):
+        return ""
+
+
+def _what(rank: int, failure: ProcessFailure, plural: bool) -> str:
     exception = exception_of(failure)
     if exception is not None:
         return f"failed: {exception[0]}"
     if failure.exitcode < 0:
+        position = aborted_in(fault_dump(rank))
+        if position is not None and not plural:  # gloo aborts a rank whose collective does not match the others'
+            site, why = aborted(position)
+            return f"was killed by {failure.signal_name()} in {site}: {why}"
         return f"{'were' if plural else 'was'} killed by {failure.signal_name()}"
     return f"exited with code {failure.exitcode}"
 
@@ -74,16 +92,16 @@ def cause(failures: Mapping[int, ProcessFailure], world_size: int) -> str:
     causes = causes or dict(failures)
     groups: dict[str, list[int]] = {}
     for rank, failure in sorted(causes.items(), key=lambda item: (item[1].timestamp, item[0])):
-        groups.setdefault(_what(failure, plural=False), []).append(rank)
+        groups.setdefault(_what(rank, failure, plural=False), []).append(rank)
     host = socket.gethostname()
     clauses = []
     for what, ranks in groups.items():
         if len(ranks) == 1:
             clauses.append(f"rank {ranks[0]} on {host} (pid {causes[ranks[0]].pid}) {what}")
         elif len(ranks) == world_size:
-            clauses.append(f"all {world_size} ranks {_what(causes[ranks[0]], plural=True)}")
+            clauses.append(f"all {world_size} ranks {_what(ranks[0], causes[ranks[0]], plural=True)}")
         else:
-            clauses.append(f"ranks {_ranks(ranks)} on {host} {_what(causes[ranks[0]], plural=True)}")
+            clauses.append(f"ranks {_ranks(ranks)} on {host} {_what(ranks[0], causes[ranks[0]], plural=True)}")
     stopped = sorted(set(failures) - set(causes))
     if stopped:
         clauses.append(f"rank(s) {_ranks(stopped)} stopped because of {'it' if len(groups) == 1 else 'them'}")

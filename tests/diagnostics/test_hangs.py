@@ -180,18 +180,43 @@ def test_loom_stacks_prints_where_each_rank_of_a_running_job_is(capsys):
     assert out[-1] == "loom: collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while rank 0 is in barrier #2 (train.py:95)"
 
 
-def test_a_chief_only_evaluation_under_sharded_is_named_within_60_s_not_at_the_timeout():
-    # The collective timeout is the default 300 s: the main thread standing still for
-    # LOOM_HANG_CHECK (15 s) has the records compared, and they show the divergence.
-    script = SCRIPTS / "chief_only_job.py"
-    job = loom_run(["run", "--nproc", "2", "--threads", "1", str(script)], timeout=200)
+CHIEF_ONLY = SCRIPTS / "chief_only_job.py"
+
+
+def chief_only(strategy: str) -> tuple[str, str, float]:
+    """stderr's lines from rank 1's verdict on, the last line, and the seconds from the chief's divergence to the job's end."""
+    job = loom_run(["run", "--nproc", "2", "--threads", "1", str(CHIEF_ONLY), strategy], timeout=150)
     ended = time.time()
     assert job.returncode != 0
     diverged = float(re.search(r"evaluating at ([\d.]+)", job.stdout).group(1))
-    assert ended - diverged < 60, f"named {ended - diverged:.0f}s after the divergence"
-    lines = script.read_text().splitlines()
-    at = {marker: next(i for i, text in enumerate(lines, 1) if marker in text) for marker in ("EVAL_FORWARD", "TRAIN_STEP", "if step == 2")}
-    last = job.stderr.strip().splitlines()[-1]
-    assert last.startswith("loom: job failed: rank ") and " failed: HangError: " in last, job.stderr[-3000:]
-    assert re.search(rf"rank 1 ran all_gather #\d+ \(chief_only_job.py:{at['TRAIN_STEP']}\) while rank 0 ran all_gather #\d+ \(chief_only_job.py:{at['EVAL_FORWARD']}\)", last), last
-    assert f"all_gather at chief_only_job.py:{at['EVAL_FORWARD']} runs under `if step == 2 and dist.get_rank() == 0:` (chief_only_job.py:{at['if step == 2']}), on some ranks only" in last, last
+    return job.stderr, job.stderr.strip().splitlines()[-1], ended - diverged
+
+
+def chief_line(marker: str) -> int:
+    return next(i for i, text in enumerate(CHIEF_ONLY.read_text().splitlines(), 1) if marker in text)
+
+
+def test_a_chief_only_evaluation_under_sharded_is_named_within_60_s_not_at_the_timeout():
+    # The collective timeout is the default 300 s: the main thread standing still for
+    # LOOM_HANG_CHECK (15 s) has the records compared, and they show the divergence.
+    stderr, last, seconds = chief_only("sharded")
+    assert seconds < 60, f"named {seconds:.0f}s after the divergence"
+    evaluate, train, guard = chief_line("EVAL_FORWARD"), chief_line("TRAIN_STEP"), chief_line("if step == 2")
+    assert last.startswith("loom: job failed: rank ") and " failed: HangError: " in last, stderr[-3000:]
+    assert re.search(rf"rank 1 ran all_gather #\d+ \(chief_only_job.py:{train}\) while rank 0 ran all_gather #\d+ \(chief_only_job.py:{evaluate}\)", last), last
+    assert f"all_gather at chief_only_job.py:{evaluate} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only" in last, last
+
+
+def test_gloos_abort_on_a_chief_only_reduce_is_named_as_the_divergence_not_a_crash():
+    stderr, last, seconds = chief_only("mirrored")
+    reduce, train, guard = chief_line("EVAL_REDUCE"), chief_line("TRAIN_STEP"), chief_line("if step == 2")
+    why = (
+        f"the ranks' collectives did not match (gloo aborts a rank that receives more than its collective expects); "
+        f"all_reduce at chief_only_job.py:{reduce} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only"
+    )
+    survivor = next(line for line in stderr.splitlines() if line.startswith("loom: rank 1 on "))
+    assert f"cannot continue: rank 0 (" in survivor and f") was aborted in all_reduce (chief_only_job.py:{reduce}) while rank 1 is in all_reduce #" in survivor, survivor
+    assert f"(chief_only_job.py:{train}): {why}" in survivor, survivor
+    assert last.startswith("loom: job failed: rank 0 on ") and f") was killed by SIGABRT in all_reduce (chief_only_job.py:{reduce}): {why}" in last, last
+    assert last.endswith("; rank(s) 1 stopped because of it"), last
+    assert seconds < 60
