@@ -76,7 +76,8 @@ def local_masters() -> set[str]:
             env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
         except OSError:
             continue
-        masters.add(f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}")
+        if b"MASTER_ADDR" in env and b"MASTER_PORT" in env:  # a worker started without them is no job's
+            masters.add(f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}")
     return masters
 
 

@@ -220,3 +220,20 @@ def test_gloos_abort_on_a_chief_only_reduce_is_named_as_the_divergence_not_a_cra
     assert last.startswith("loom: job failed: rank 0 on ") and f") was killed by SIGABRT in all_reduce (chief_only_job.py:{reduce}): {why}" in last, last
     assert last.endswith("; rank(s) 1 stopped because of it"), last
     assert seconds < 60
+
+
+def test_loom_stacks_passes_over_a_worker_started_without_a_master():
+    import os
+    import subprocess
+    import sys
+
+    from loom.comm.stacks import WORKER, local_masters
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    stray = subprocess.Popen([sys.executable, "-c", code, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert stray.stdout.readline() == b"up\n"  # running, with its own command line
+        local_masters()  # read it without a KeyError
+    finally:
+        stray.communicate(input=b"")
