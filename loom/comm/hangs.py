@@ -21,6 +21,7 @@ from loom.errors import LoomError
 
 Record = dict[str, Any]
 Call = dict[str, Any]
+P2P = ("send", "recv")  # one rank sends while another receives: they differ by design
 
 # Names in an `if` test that make it true on some ranks only.
 _RANKISH = re.compile(r"rank|chief|is_main|main_process|is_master|master_process|global_zero", re.IGNORECASE)
@@ -173,6 +174,8 @@ def explain(records: dict[int, Record], world_size: int, certain: bool = False) 
     collective run on some ranks only, a rank that finished while others wait for it), not a
     rank that is merely behind.
     """
+    if certain:  # only collectives: their numbers and sites must agree on every rank
+        records = {r: {**rec, "calls": [c for c in rec["calls"] if c["op"] not in P2P]} for r, rec in records.items()}
     clauses: list[str] = []
     causes: list[str] = []
     final = False

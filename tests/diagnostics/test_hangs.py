@@ -105,6 +105,21 @@ def test_a_call_completed_against_another_op_is_not_called_a_link_down():
     assert text == "the ranks' collectives first differed at #2: rank 1 is in barrier #2 (train.py:30) while rank 0 ran all_reduce #2 (train.py:10)"
 
 
+def test_a_send_and_its_receive_are_not_a_certain_hang():
+    # What the main thread's standing still checks for: a pipeline's stages send and receive by
+    # design, and a rank behind in its Python may yet come.
+    sender = [call(1, "all_reduce", 10), call(1, "send", 40), call(2, "all_reduce", 10, done=False)]  # p2p has numbers of its own
+    receiver = [call(1, "all_reduce", 10), call(1, "recv", 44)]
+    records = {0: record(0, sender), 1: record(1, receiver)}
+    assert explain(records, 2, certain=True) is None
+    assert "rank 1 never reached all_reduce #2 (train.py:10)" in explain(records, 2)
+
+
+def test_ranks_in_different_collectives_are_a_certain_hang():
+    records = {0: record(0, [call(1, "all_reduce", 10, done=False)]), 1: record(1, [call(1, "barrier", 30, done=False)])}
+    assert explain(records, 2, certain=True).startswith("collectives out of step at #1: ")
+
+
 def test_ranks_that_agree_and_wait_nowhere_give_no_finding():
     calls = [call(1, "all_reduce", 10), call(2, "all_reduce", 10)]
     assert explain({0: record(0, calls), 1: record(1, calls)}, 2) is None
