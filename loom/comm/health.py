@@ -205,8 +205,8 @@ class HealthMonitor:
                 )
 
     def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict]) -> list[str]:
-        """Peers that are gone: on this host, a process that exited (seen at once, by its pid);
-        anywhere, one whose heartbeat stopped for ``silence_limit``."""
+        """Peers that are gone: a process that exited (seen at once: on this host by its pid, on
+        another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``."""
         now, silent = time.monotonic(), []
         for r in range(self.spec.world_size):
             if r == self.spec.rank:
@@ -218,7 +218,8 @@ class HealthMonitor:
             if store.check([self._key("done", r)]):
                 continue
             info = members[r]
-            if info["host"] == self.host and not _pid_alive(info["pid"]):
+            gone = not _pid_alive(info["pid"]) if info["host"] == self.host else store.check([self._key("died", r)])
+            if gone:  # on another host, its agent says so
                 silent.append(self._how_it_ended(store, r, info))
                 continue
             beats = store.add(self._key("beat", r), 0)
@@ -235,6 +236,8 @@ class HealthMonitor:
             return f"{_where(rank, member)} failed: {store.get(self._key('failed', rank)).decode()}"
         if store.check([self._key("victim", rank)]):
             return store.get(self._key("victim", rank)).decode()  # it named the root cause
+        if member["host"] != self.host:
+            return f"{_where(rank, member)} died ({store.get(self._key('died', rank)).decode()})"
         return self._death(rank, member)
 
     def _death(self, rank: int, member: dict) -> str:
@@ -317,6 +320,8 @@ class HealthMonitor:
                 found.append(f"{_where(r, info)} failed: {self._store.get(notice).decode()}")
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
                 found.append(self._death(r, info))
+            elif self._store.check([self._key("died", r)]):  # its agent on another host saw it end
+                found.append(f"{_where(r, info)} died ({self._store.get(self._key('died', r)).decode()})")
         if not found and sample_heartbeats:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)

@@ -23,7 +23,7 @@ from loom.comm.stacks import aborted_in
 from loom.errors import RankFailureError
 
 # How a rank ends when the agent stops it because another one failed.
-_STOPPED = {RankFailureError.EXIT_CODE, -signal.SIGTERM, 128 + signal.SIGTERM}
+STOPPED = {RankFailureError.EXIT_CODE, -signal.SIGTERM, 128 + signal.SIGTERM}
 # torch's agent kills a rank that its SIGTERM has not ended within 30 s (``PContext.close``);
 # a failure's timestamp is in whole seconds.
 _SIGKILL_AFTER = 30 - 1
@@ -32,7 +32,7 @@ _SIGKILL_AFTER = 30 - 1
 def _stopped(failure: ProcessFailure, first_failure: int) -> bool:
     """Whether the rank ended the way a rank the agent stops does (``first_failure``: when the first rank failed)."""
     late = failure.timestamp - first_failure >= _SIGKILL_AFTER
-    return failure.exitcode in _STOPPED or (failure.exitcode == -signal.SIGKILL and late)
+    return failure.exitcode in STOPPED or (failure.exitcode == -signal.SIGKILL and late)
 
 
 def exception_of(failure: ProcessFailure) -> tuple[str, str] | None:

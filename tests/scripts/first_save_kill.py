@@ -12,7 +12,7 @@ from torch import nn
 import loom
 
 out = Path(sys.argv[1])
-strategy = loom.MirroredStrategy()
+strategy = loom.MultiWorkerMirroredStrategy()  # one host or two
 model = strategy.prepare(nn.Linear(4, 2))
 
 
