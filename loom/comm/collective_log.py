@@ -36,7 +36,8 @@ DEFAULT_BUFFER = 1000  # collectives remembered per process
 KEEP = 200  # of which a record carries the newest
 STAMPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_tensor", "all_gather_object",
            "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
-           "all_to_all_single", "broadcast_object_list", "send", "recv", "monitored_barrier")  # fmt: skip
+           "all_to_all_single", "broadcast_object_list", "send", "recv", "monitored_barrier",
+           "all_gather_single", "reduce_scatter_single")  # fmt: skip
 _INTERNAL = (*(str(Path(m.__file__).parent) + os.sep for m in (torch, loom)), sysconfig.get_paths()["stdlib"] + os.sep)
 _user_files: dict[str, bool] = {}  # file -> whether it is the user's, decided once
 _stamps: collections.deque = collections.deque(maxlen=DEFAULT_BUFFER)  # [start_ns, end_ns, thread, frames]
@@ -50,7 +51,7 @@ def _stamped(collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def call(*args: Any, **kwargs: Any) -> Any:
         frames, f, depth = [], sys._getframe(1), 0
-        while f is not None and depth < 8 and len(frames) < 3:  # the call site and two callers
+        while f is not None and depth < 40 and len(frames) < 3:  # the call site and two callers (FSDP calls from deep in hooks)
             code = f.f_code
             user = _user_files.get(code.co_filename)  # a str caches its hash; a code object does not
             if user is None:
@@ -115,7 +116,7 @@ def user_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def snapshot(rank: int, host: str, stack: str, failed_in_last: bool = False, finished: bool = False) -> dict[str, Any]:
-    """This rank's record: its collectives and where its main thread is.
+    """This rank's record: its collectives and where its main thread is (``stack``).
 
     ``failed_in_last``: the caller's newest collective just raised, so it is where this rank
     is stuck (torch may have retired it already).
@@ -123,6 +124,10 @@ def snapshot(rank: int, host: str, stack: str, failed_in_last: bool = False, fin
     calls = recent_calls()
     if failed_in_last and calls:
         calls[-1]["done"] = False
+    waits_at = [{"file": f["file"], "line": f["line"], "name": f["name"]} for f in user_frames(stack)[:3]]
+    for call in calls:
+        if not call["done"] and not call["frames"]:  # made in C++ or by torch's own Python (DDP, FSDP)
+            call["where"] = waits_at  # the user's lines the main thread waits at; kept out of the call's signature
     return {"rank": rank, "host": host, "pid": os.getpid(), "calls": calls, "stack": stack, "finished": finished}
 
 

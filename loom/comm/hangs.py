@@ -21,6 +21,7 @@ from loom.errors import LoomError
 
 Record = dict[str, Any]
 Call = dict[str, Any]
+P2P = ("send", "recv")  # one rank sends while another receives: they differ by design
 
 # Names in an `if` test that make it true on some ranks only.
 _RANKISH = re.compile(r"rank|chief|is_main|main_process|is_master|master_process|global_zero", re.IGNORECASE)
@@ -36,6 +37,12 @@ class HangError(LoomError):
 
 def _site(call: Call) -> str:
     f = call["frames"][0] if call["frames"] else None
+    return f"{Path(f['file']).name}:{f['line']}" if f else "?"
+
+
+def _place(call: Call) -> str:
+    """The user's line a call was made from, or waits at (an unstamped call, like FSDP's, has only the latter)."""
+    f = (call["frames"] or call.get("where") or [None])[0]
     return f"{Path(f['file']).name}:{f['line']}" if f else "?"
 
 
@@ -78,8 +85,9 @@ def _divergence(calls: dict[int, dict[int, Call]], seq: int) -> str:
     return parts[0] + " while " + ", ".join(parts[1:])
 
 
-def _positions(records: dict[int, Record], calls: dict[int, dict[int, Call]]) -> list[str]:
-    """Ranks behind the furthest collective in flight, each with where it is instead."""
+def _positions(records: dict[int, Record], calls: dict[int, dict[int, Call]], diverged: bool = False) -> list[str]:
+    """Ranks behind the furthest collective in flight, each with where it is instead (``it finished
+    its program`` for one that never will)."""
     pending = {r: max((s for s, c in per_rank.items() if not c["done"]), default=None) for r, per_rank in calls.items()}
     waited = [s for s in pending.values() if s is not None]
     if not waited:
@@ -88,7 +96,7 @@ def _positions(records: dict[int, Record], calls: dict[int, dict[int, Call]]) ->
     target = next(calls[r][furthest] for r in calls if pending[r] == furthest)
     behind = [r for r, per_rank in calls.items() if pending[r] != furthest and max(per_rank, default=0) < furthest]
     if not behind:
-        if any(pending[r] != furthest for r in calls):  # some went past it: the divergence says why
+        if diverged or any(pending[r] != furthest for r in calls):  # the divergence says why
             return []
         return [f"all ranks are in {call_name(target)} and none returned: a link between them is down or too slow for the timeout"]
     clauses = []
@@ -126,10 +134,10 @@ def rank_condition(path: str, line: int) -> tuple[str, int] | None:
 
 
 def _conditional(call: Call) -> str | None:
-    for frame in call["frames"]:
+    for frame in call["frames"] or call.get("where") or []:
         found = rank_condition(frame["file"], frame["line"])
         if found is not None:
-            return f"{call['op']} at {_site(call)} runs under {found[0]} ({Path(frame['file']).name}:{found[1]}), on some ranks only: {_SOME_RANKS}"
+            return f"{call['op']} at {_place(call)} runs under {found[0]} ({Path(frame['file']).name}:{found[1]}), on some ranks only: {_SOME_RANKS}"
     return None
 
 
@@ -151,10 +159,26 @@ def _ran_on_some_only(calls: dict[int, dict[int, Call]]) -> list[str]:
     return found
 
 
-def explain(records: dict[int, Record], world_size: int) -> str | None:
-    """One paragraph naming where the ranks' collectives part, or None when the records agree and none waits."""
+def aborted(position: dict[str, Any]) -> tuple[str, str]:
+    """For a rank ended in a collective (``stacks.aborted_in``): ``reduce (train.py:24)``, and why
+    that is the usual cause (the rank-dependent ``if`` around it, when the code shows one)."""
+    call = {"group": "0", "seq": 0, "op": position["op"], "frames": position["frames"], "done": False}
+    mismatch = "the ranks' collectives did not match (gloo aborts a rank that receives more than its collective expects)"
+    return f"{position['op']} ({_place(call)})", f"{mismatch}; {_conditional(call) or _SOME_RANKS}"
+
+
+def explain(records: dict[int, Record], world_size: int, certain: bool = False) -> str | None:
+    """One paragraph naming where the ranks' collectives part, or None when the records agree and none waits.
+
+    ``certain``: only a finding that no wait can undo (ranks in different collectives, a
+    collective run on some ranks only, a rank that finished while others wait for it), not a
+    rank that is merely behind.
+    """
+    if certain:  # only collectives: their numbers and sites must agree on every rank
+        records = {r: {**rec, "calls": [c for c in rec["calls"] if c["op"] not in P2P]} for r, rec in records.items()}
     clauses: list[str] = []
     causes: list[str] = []
+    final = False
     groups = sorted({c["group"] for rec in records.values() for c in rec["calls"]})
     for group in groups:
         calls = _by_seq(records, group)
@@ -165,14 +189,21 @@ def explain(records: dict[int, Record], world_size: int) -> str | None:
             text = _divergence(calls, seq)
             clauses.append(f"collectives out of step at #{seq}: {text}" if current else f"the ranks' collectives first differed at #{seq}: {text}")
             involved = [per_rank[seq] for per_rank in calls.values() if seq in per_rank]
+            final = True
         if seq is None or not current:
-            clauses += _positions(records, calls)
+            positions = _positions(records, calls, diverged=seq is not None)
+            final = final or any(p.endswith("it finished its program") for p in positions)
+            clauses += positions
             involved += [c for per_rank in calls.values() for c in per_rank.values() if not c["done"]]
-        causes += _ran_on_some_only(calls)
-        for call in involved:
+        skipped = _ran_on_some_only(calls)
+        final = final or bool(skipped)
+        for call in involved:  # the `if` around a call says more than the lines it ran on: first
             cause = _conditional(call)
             if cause and cause not in causes:
                 causes.append(cause)
+        causes += skipped
+    if certain and not final:
+        return None
     silent = sorted(set(range(world_size)) - set(records))
     if silent and clauses:
         clauses.append(f"{_ranks(silent)} did not answer")

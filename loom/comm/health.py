@@ -5,11 +5,15 @@ outlives any worker), beats a counter there, and posts a notice when it fails wi
 exception. When a collective breaks, or the agent tears the job down, a survivor reads
 those records and says which rank failed and where. When every rank is alive but a
 collective timed out, the first rank to see it compares every rank's record of its
-collectives (``collective_log``, ``hangs``) and says where they part.
+collectives (``collective_log``, ``hangs``) and says where they part. It need not wait for
+the timeout: when a rank's main thread has not moved for ``LOOM_HANG_CHECK`` seconds, its
+heartbeat thread compares the records, and stops the job if they show a hang that no wait
+can end (ranks in different collectives, one run under ``if is_chief:`` on the chief only).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -17,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from typing import NoReturn
 
@@ -27,6 +32,12 @@ from loom.comm import preemption
 from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
+FAULT_DUMP_ENV = "LOOM_FAULT_DUMPS"  # a folder, set by loom's launcher, which reads the dumps there
+
+
+def fault_path(folder: str, rank: int) -> str:
+    """Where rank ``rank`` leaves its Python stacks when a fatal signal ends it."""
+    return os.path.join(folder, f"rank-{rank}.fault")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -52,6 +63,7 @@ class HealthMonitor:
         self.spec = spec
         self.interval = interval
         self.silence_limit = resolve_silence_limit()
+        self.hang_check = resolve_hang_check()
         self.host = spec.host
         self._store_timeout = timedelta(seconds=store_timeout)
         self._store = self._connect()
@@ -84,7 +96,7 @@ class HealthMonitor:
         from loom.comm import collective_log  # imported on use: its stacks module reads this one's PREFIX
 
         collective_log.arm()
-        me = {"host": self.host, "pid": os.getpid()}
+        me = {"host": self.host, "pid": os.getpid(), **self._dump_faults()}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
         self._contact = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
@@ -93,6 +105,17 @@ class HealthMonitor:
         sys.excepthook = self._excepthook
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _dump_faults(self) -> dict[str, str]:
+        """Have a fatal signal (gloo's abort on a collective mismatch) leave this rank's Python stacks in a file
+        the launcher and the peers on this host read, when loom's launcher asked for it; its path, for the peers."""
+        folder = os.environ.get(FAULT_DUMP_ENV)
+        if not folder or not os.path.isdir(folder) or faulthandler.is_enabled():
+            return {}
+        path = fault_path(folder, self.spec.rank)
+        self._fault_file = open(path, "w")  # kept open: faulthandler writes to its descriptor
+        faulthandler.enable(file=self._fault_file, all_threads=True)
+        return {"faults": path}
 
     def stop(self) -> None:
         try:  # a rank that finished is not a rank that stopped responding
@@ -108,23 +131,67 @@ class HealthMonitor:
 
     def _beat(self) -> None:
         """Beat, and watch the others: a peer silent for ``silence_limit`` stops the job now,
-        not at the collective timeout."""
+        not at the collective timeout; so does a hang the records show once the main thread
+        has stood still for ``hang_check``."""
         store = self._connect()  # a client of its own: the main thread may be using the other
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
         answered = 0  # requests for this rank's record of collectives
+        main, still_since, checked = None, time.monotonic(), 0.0  # where the main thread is, since when
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
                 answered = self._answer_record_requests(store, answered)
-                silent = self._silent_peers(store, heard, members)
-                self._contact = time.monotonic()
+                silent = self._silent_peers(store, heard, members) or self._found_by_another(store)
+                self._contact = now = time.monotonic()
+                frame = sys._current_frames().get(threading.main_thread().ident)
+                here = (id(frame), frame.f_lasti) if frame is not None else None
+                if here != main:
+                    main, still_since = here, now
+                elif now - still_since >= self.hang_check and now - checked >= self.hang_check:
+                    checked = now
+                    self._check_for_hang(store)
             except Exception:  # unreachable: _watch_contact decides when that is fatal
                 silent = []
             if silent and not self._stop.is_set() and not self._failing:  # a failing rank says why itself
                 self._give_up("; ".join(silent))
             self._stop.wait(self.interval)
+
+    def _found_by_another(self, store: dist.TCPStore) -> list[str]:
+        """The hang another rank found (this rank may wait in C++, where no exception reaches it)."""
+        finding = self._key("hang", 0)
+        if not store.check([finding]):
+            return []
+        answer = json.loads(store.get(finding))
+        return [f"rank {answer['rank']} found the job hung: {answer['found']}"] if answer["found"] and answer["rank"] != self.spec.rank else []
+
+    def _check_for_hang(self, store: dist.TCPStore) -> None:
+        """The main thread has stood still: if every rank's record shows a hang no wait can end, fail with it now."""
+        from loom.comm import collective_log
+        from loom.comm.hangs import HangError, explain
+
+        prefix, world = self._namespace(), self.spec.world_size
+        asked = collective_log.request(store, prefix)
+        collective_log.publish(store, prefix, self._record(), asked)
+        records = collective_log.collect(store, prefix, world, asked, wait=3 * self.interval)
+        found = explain(records, world, certain=True) if len(records) == world else None
+        if not found or self._failing or store.add(self._key("hang-claim", 0), 1) != 1:
+            return  # nothing certain yet, or another rank reports it (its finding reaches this one)
+        self._failing = True
+        store.set(self._key("hang", 0), json.dumps({"rank": self.spec.rank, "found": found}))
+        self._fail(HangError(found), store)
+
+    def _fail(self, error: LoomError, store: dist.TCPStore) -> NoReturn:
+        """Fail this rank with ``error`` from the heartbeat thread, as if the main thread, which is
+        stuck, had raised it there: recorded for the launcher (or printed) with the main thread's stack."""
+        store.set(self._key("failed", self.spec.rank), "".join(traceback.format_exception_only(type(error), error)).strip()[:500])
+        try:
+            raise error
+        except LoomError as raised:
+            raised.__traceback__ = _traceback_of(sys._current_frames().get(threading.main_thread().ident))
+            self._previous_excepthook(type(raised), raised, raised.__traceback__)
+        self._leave(None, 1)
 
     def _watch_contact(self) -> None:
         """A store call can block for good when this host is cut off: watch from another thread."""
@@ -138,8 +205,8 @@ class HealthMonitor:
                 )
 
     def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict]) -> list[str]:
-        """Peers that are gone: on this host, a process that exited (seen at once, by its pid);
-        anywhere, one whose heartbeat stopped for ``silence_limit``."""
+        """Peers that are gone: a process that exited (seen at once: on this host by its pid, on
+        another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``."""
         now, silent = time.monotonic(), []
         for r in range(self.spec.world_size):
             if r == self.spec.rank:
@@ -151,7 +218,8 @@ class HealthMonitor:
             if store.check([self._key("done", r)]):
                 continue
             info = members[r]
-            if info["host"] == self.host and not _pid_alive(info["pid"]):
+            gone = not _pid_alive(info["pid"]) if info["host"] == self.host else store.check([self._key("died", r)])
+            if gone:  # on another host, its agent says so
                 silent.append(self._how_it_ended(store, r, info))
                 continue
             beats = store.add(self._key("beat", r), 0)
@@ -168,7 +236,27 @@ class HealthMonitor:
             return f"{_where(rank, member)} failed: {store.get(self._key('failed', rank)).decode()}"
         if store.check([self._key("victim", rank)]):
             return store.get(self._key("victim", rank)).decode()  # it named the root cause
-        return f"{_where(rank, member)} died"
+        if member["host"] != self.host:
+            return f"{_where(rank, member)} died ({store.get(self._key('died', rank)).decode()})"
+        return self._death(rank, member)
+
+    def _death(self, rank: int, member: dict) -> str:
+        """``rank 1 (h, pid 5) died``; where it was and why, when it ended in a collective (gloo's abort)."""
+        from loom.comm.hangs import aborted
+        from loom.comm.stacks import aborted_in, call_name
+
+        try:
+            with open(member["faults"]) as f:
+                position = aborted_in(f.read())
+        except (KeyError, OSError):
+            position = None
+        if position is None:
+            return f"{_where(rank, member)} died"
+        site, why = aborted(position)
+        calls = self._record(failed_in_last=True)["calls"]  # its partner is gone: the newest waits for good (DDP's, placed at the user's line)
+        mine = next((c for c in reversed(calls) if not c["done"]), calls[-1] if calls else None)
+        here = f" while rank {self.spec.rank} is in {call_name(mine)}" if mine else ""
+        return f"{_where(rank, member)} was aborted in {site}{here}: {why}"
 
     def _give_up(self, reason: str, post: bool = True) -> None:
         """The main thread may be stuck in a collective that will never finish: exit from here."""
@@ -176,10 +264,11 @@ class HealthMonitor:
             self.post_failure(reason, victim=True)
         self._leave(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}", RankFailureError.EXIT_CODE)
 
-    def _leave(self, line: str, code: int) -> NoReturn:
+    def _leave(self, line: str | None, code: int) -> NoReturn:
         """Say ``line`` and end the process, unless another thread already does: one last line per rank."""
         if self._leaving.acquire(blocking=False):
-            _say(line)
+            if line is not None:
+                _say(line)
             os._exit(code)
         threading.Event().wait()  # the other thread ends the process
 
@@ -230,7 +319,9 @@ class HealthMonitor:
             if self._store.check([notice]):
                 found.append(f"{_where(r, info)} failed: {self._store.get(notice).decode()}")
             elif info["host"] == self.host and not _pid_alive(info["pid"]):
-                found.append(f"{_where(r, info)} died")
+                found.append(self._death(r, info))
+            elif self._store.check([self._key("died", r)]):  # its agent on another host saw it end
+                found.append(f"{_where(r, info)} died ({self._store.get(self._key('died', r)).decode()})")
         if not found and sample_heartbeats:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)
@@ -346,6 +437,20 @@ def _silent_for(seconds: float) -> str:
 def resolve_silence_limit() -> float:
     """Seconds without a peer's heartbeat before it counts as gone (``LOOM_HEARTBEAT_TIMEOUT``, default 30)."""
     return seconds_from_env("LOOM_HEARTBEAT_TIMEOUT", 30.0)
+
+
+def resolve_hang_check() -> float:
+    """Seconds the main thread stands still before the ranks' records are compared (``LOOM_HANG_CHECK``, default 15)."""
+    return seconds_from_env("LOOM_HANG_CHECK", 15.0)
+
+
+def _traceback_of(frame: types.FrameType | None) -> types.TracebackType | None:
+    """A traceback through ``frame`` and its callers, as if an exception were raised there."""
+    tb = None
+    while frame is not None:
+        tb = types.TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return tb
 
 
 def _say(line: str) -> None:

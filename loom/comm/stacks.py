@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import sys
 import threading
 from datetime import timedelta
@@ -25,8 +26,9 @@ from loom.errors import LaunchError
 WORKER = "loom.launch.worker"
 
 
-def main_frames(limit: int = 12) -> list[dict[str, Any]]:
-    """The main thread's frames, innermost first, each with its source line."""
+def main_frames(limit: int = 40) -> list[dict[str, Any]]:
+    """The main thread's frames, innermost first, each with its source line (deep enough to reach the user's
+    code from inside torch's hooks)."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     frames = []
     while frame is not None and len(frames) < limit:
@@ -35,6 +37,22 @@ def main_frames(limit: int = 12) -> list[dict[str, Any]]:
                        "code": linecache.getline(code.co_filename, frame.f_lineno).strip()})  # fmt: skip
         frame = frame.f_back
     return frames
+
+
+_FAULT_FRAME = re.compile(r'^  File "(.+)", line (\d+) in (.+)$')
+_C10D = os.sep + os.path.join("torch", "distributed", "distributed_c10d.py")
+
+
+def aborted_in(dump: str) -> dict[str, Any] | None:
+    """The collective a process was in when a fatal signal ended it, from its ``faulthandler`` dump:
+    ``{"op": "reduce", "frames": [the user's frames, innermost first]}``; None when no thread was in one."""
+    for block in dump.split("\n\n"):
+        frames = [{"file": m[1], "line": int(m[2]), "name": m[3]} for m in map(_FAULT_FRAME.match, block.splitlines()) if m]
+        op = next((f["name"] for f in frames if f["file"].endswith(_C10D)), None)
+        users = collective_log.user_frames(frames)
+        if op is not None and users:
+            return {"op": op, "frames": users[:3]}
+    return None
 
 
 def describe(frames: list[dict[str, Any]], depth: int = 4) -> str:
@@ -58,7 +76,8 @@ def local_masters() -> set[str]:
             env = dict(item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item)
         except OSError:
             continue
-        masters.add(f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}")
+        if b"MASTER_ADDR" in env and b"MASTER_PORT" in env:  # a worker started without them is no job's
+            masters.add(f"{env[b'MASTER_ADDR'].decode()}:{env[b'MASTER_PORT'].decode()}")
     return masters
 
 
@@ -98,7 +117,9 @@ def where(record: dict[str, Any]) -> str:
 
 
 def call_name(call: dict[str, Any]) -> str:
-    site = f" ({Path(call['frames'][0]['file']).name}:{call['frames'][0]['line']})" if call["frames"] else ""
+    """``all_reduce #57 of group 1 (train.py:88)``: the line it was called from, or the user's line it waits at."""
+    frames = call["frames"] or call.get("where")
+    site = f" ({Path(frames[0]['file']).name}:{frames[0]['line']})" if frames else ""
     group = "" if call["group"] == "0" else f" of group {call['group']}"
     return f"{call['op']} #{call['seq']}{group}{site}"
 

@@ -8,8 +8,12 @@ rendezvous, and each restart with its attempt number and cause.
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -22,8 +26,9 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from loom.cluster import NodeSpec, seconds_from_env
 from loom.compat import elastic_agent
 from loom.comm import collective_log
+from loom.comm.health import FAULT_DUMP_ENV, PREFIX
 from loom.errors import LaunchError
-from loom.launch.failures import report
+from loom.launch.failures import STOPPED, report
 
 WAIT_REPORT_ENV = "LOOM_RENDEZVOUS_REPORT"
 DEFAULT_WAIT_REPORT = 30.0
@@ -121,7 +126,24 @@ class ReportingAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._last_result = super()._monitor_workers(worker_group)
+        if self._last_result.is_failed():
+            self._post_deaths(worker_group, self._last_result)
         return self._last_result
+
+    def _post_deaths(self, worker_group: WorkerGroup, result: RunResult) -> None:
+        """Tell the ranks on other nodes which of this node's workers died, and how: their heartbeats
+        read it (``HealthMonitor``), rather than wait for a silence. Not those this agent stopped."""
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # the workers' TORCHELASTIC_RESTART_COUNT
+        try:
+            store = dist.TCPStore(
+                worker_group.master_addr, worker_group.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
+            )
+            for rank, failure in result.failures.items():
+                if failure.exitcode not in STOPPED:
+                    how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+                    store.set(f"{PREFIX}/{attempt}/died/{rank}", how)
+        except (OSError, RuntimeError, dist.DistError):
+            pass  # the store's node is gone too: the others see that themselves
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         # torch's agent has already counted this restart in _remaining_restarts.
@@ -136,6 +158,9 @@ def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> Cont
     """Have torchrun, called in this block, run its workers under a ``ReportingAgent``."""
 
     collective_log.arm_workers()  # before any worker's process group exists, whatever its backend
+    if FAULT_DUMP_ENV not in os.environ:  # a worker ended by a signal leaves its stacks there, for ``failures``
+        os.environ[FAULT_DUMP_ENV] = tempfile.mkdtemp(prefix="loom-faults-")
+        atexit.register(shutil.rmtree, os.environ[FAULT_DUMP_ENV], ignore_errors=True)
 
     def build(**kwargs: Any) -> ReportingAgent:
         return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, **kwargs)

@@ -1,6 +1,7 @@
 """A hung job's final message says where each rank is and why, from the ranks' collective records."""
 
 import re
+import time
 
 import pytest
 
@@ -104,6 +105,21 @@ def test_a_call_completed_against_another_op_is_not_called_a_link_down():
     assert text == "the ranks' collectives first differed at #2: rank 1 is in barrier #2 (train.py:30) while rank 0 ran all_reduce #2 (train.py:10)"
 
 
+def test_a_send_and_its_receive_are_not_a_certain_hang():
+    # What the main thread's standing still checks for: a pipeline's stages send and receive by
+    # design, and a rank behind in its Python may yet come.
+    sender = [call(1, "all_reduce", 10), call(1, "send", 40), call(2, "all_reduce", 10, done=False)]  # p2p has numbers of its own
+    receiver = [call(1, "all_reduce", 10), call(1, "recv", 44)]
+    records = {0: record(0, sender), 1: record(1, receiver)}
+    assert explain(records, 2, certain=True) is None
+    assert "rank 1 never reached all_reduce #2 (train.py:10)" in explain(records, 2)
+
+
+def test_ranks_in_different_collectives_are_a_certain_hang():
+    records = {0: record(0, [call(1, "all_reduce", 10, done=False)]), 1: record(1, [call(1, "barrier", 30, done=False)])}
+    assert explain(records, 2, certain=True).startswith("collectives out of step at #1: ")
+
+
 def test_ranks_that_agree_and_wait_nowhere_give_no_finding():
     calls = [call(1, "all_reduce", 10), call(2, "all_reduce", 10)]
     assert explain({0: record(0, calls), 1: record(1, calls)}, 2) is None
@@ -177,3 +193,62 @@ def test_loom_stacks_prints_where_each_rank_of_a_running_job_is(capsys):
     assert out[:3] == ["rank 0 (h, pid 1): in barrier #2 (train.py:95)", "  /x/train.py:95 in <module>", "      dist.barrier()"]
     assert out[3] == "rank 1 (h, pid 1): in all_reduce #2 (train.py:88)"
     assert out[-1] == "loom: collectives out of step at #2: rank 1 is in all_reduce #2 (train.py:88) while rank 0 is in barrier #2 (train.py:95)"
+
+
+CHIEF_ONLY = SCRIPTS / "chief_only_job.py"
+
+
+def chief_only(strategy: str) -> tuple[str, str, float]:
+    """stderr's lines from rank 1's verdict on, the last line, and the seconds from the chief's divergence to the job's end."""
+    job = loom_run(["run", "--nproc", "2", "--threads", "1", str(CHIEF_ONLY), strategy], timeout=150)
+    ended = time.time()
+    assert job.returncode != 0
+    diverged = float(re.search(r"evaluating at ([\d.]+)", job.stdout).group(1))
+    return job.stderr, job.stderr.strip().splitlines()[-1], ended - diverged
+
+
+def chief_line(marker: str) -> int:
+    return next(i for i, text in enumerate(CHIEF_ONLY.read_text().splitlines(), 1) if marker in text)
+
+
+def test_a_chief_only_evaluation_under_sharded_is_named_within_60_s_not_at_the_timeout():
+    # The collective timeout is the default 300 s: the main thread standing still for
+    # LOOM_HANG_CHECK (15 s) has the records compared, and they show the divergence.
+    stderr, last, seconds = chief_only("sharded")
+    assert seconds < 60, f"named {seconds:.0f}s after the divergence"
+    evaluate, train, guard = chief_line("EVAL_FORWARD"), chief_line("TRAIN_STEP"), chief_line("if step == 2")
+    assert last.startswith("loom: job failed: rank ") and " failed: HangError: " in last, stderr[-3000:]
+    assert re.search(rf"rank 1 ran all_gather #\d+ \(chief_only_job.py:{train}\) while rank 0 ran all_gather #\d+ \(chief_only_job.py:{evaluate}\)", last), last
+    assert f"all_gather at chief_only_job.py:{evaluate} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only" in last, last
+
+
+def test_gloos_abort_on_a_chief_only_reduce_is_named_as_the_divergence_not_a_crash():
+    stderr, last, seconds = chief_only("mirrored")
+    reduce, train, guard = chief_line("EVAL_REDUCE"), chief_line("TRAIN_STEP"), chief_line("if step == 2")
+    why = (
+        f"the ranks' collectives did not match (gloo aborts a rank that receives more than its collective expects); "
+        f"all_reduce at chief_only_job.py:{reduce} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only"
+    )
+    survivor = next(line for line in stderr.splitlines() if line.startswith("loom: rank 1 on "))
+    assert f"cannot continue: rank 0 (" in survivor and f") was aborted in all_reduce (chief_only_job.py:{reduce}) while rank 1 is in all_reduce #" in survivor, survivor
+    assert f"(chief_only_job.py:{train}): {why}" in survivor, survivor
+    assert last.startswith("loom: job failed: rank 0 on ") and f") was killed by SIGABRT in all_reduce (chief_only_job.py:{reduce}): {why}" in last, last
+    assert last.endswith("; rank(s) 1 stopped because of it"), last
+    assert seconds < 60
+
+
+def test_loom_stacks_passes_over_a_worker_started_without_a_master():
+    import os
+    import subprocess
+    import sys
+
+    from loom.comm.stacks import WORKER, local_masters
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    code = "import sys; print('up', flush=True); sys.stdin.read()"
+    stray = subprocess.Popen([sys.executable, "-c", code, WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        assert stray.stdout.readline() == b"up\n"  # running, with its own command line
+        local_masters()  # read it without a KeyError
+    finally:
+        stray.communicate(input=b"")

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from loom.launch.failures import cause
 from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, loom_run
 
 KILL_SCRIPT = str(SCRIPTS / "train_until_killed.py")
@@ -195,3 +197,11 @@ def test_sigterm_to_the_launcher_is_one_line(tmp_path):
     assert err.splitlines()[-1] == "loom: stopped by SIGTERM; workers terminated"
     assert job.returncode == 128 + signal.SIGTERM
     assert not Path(f"/proc/{int((tmp_path / 'pid').read_text())}").exists()
+
+
+def test_a_rank_the_agent_killed_after_its_sigterm_is_not_called_a_cause(tmp_path):
+    # A survivor whose main thread waits in C++ cannot run its SIGTERM handler: 30 s later the
+    # agent kills it, and it used to read "all 2 ranks were killed by SIGKILL".
+    killed, stopped = (ProcessFailure(local_rank=r, pid=1000 + r, exitcode=-signal.SIGKILL, error_file=str(tmp_path / f"e{r}")) for r in (1, 0))
+    killed.timestamp, stopped.timestamp = 100, 130
+    assert cause({0: stopped, 1: killed}, world_size=2) == f"rank 1 on {socket.gethostname()} (pid 1001) was killed by SIGKILL; rank(s) 0 stopped because of it"
