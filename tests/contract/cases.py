@@ -176,7 +176,7 @@ def gpt_output_object(make: Make) -> dict[str, Any]:
     """An output object with attributes (Hugging Face's shape) keeps its class under mixed precision
     (untied, so that a pipeline, which refuses weights tied across stages, runs it too)."""
     strategy = make(precision="bf16-mixed")
-    model, opt = strategy.prepare(_seeded_per_rank(lambda: GPT(output_object=True, tied=False)), adamw)
+    model, opt = strategy.prepare(_seeded_per_rank(lambda: GPT(output_object=True, tied=False)), sgd)
     loss_fn = lambda out, y: F.cross_entropy(out.logits.float().reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
     step = _train_on(strategy, model, opt, loss_fn, tokens(GLOBAL_BATCH * STEPS))
     return {"weights": weights(model), "output_class": type(step.outputs).__name__}

@@ -444,10 +444,13 @@ def test_a_sequential_or_a_dict_of_inputs_cannot_compute_its_own_loss_and_gets_o
         PipelineStep(one, gpt_prepared, None, torch.optim.SGD(gpt_model.parameters(), lr=0.1))({"idx": torch.zeros(2, 8, dtype=torch.long)}, None)
 
 
-def test_hybrid_hands_tensor_parallelism_the_uncompiled_model():
+def test_hybrid_hands_tensor_parallelism_the_uncompiled_model(monkeypatch):
     """``prepare(torch.compile(model))`` with pp and tp: the plan names the model's layers, not ``_orig_mod.``'s."""
     hybrid = object.__new__(loom.HybridStrategy)
     given = []
+    monkeypatch.setattr("loom.strategies.hybrid.broadcast_states", lambda model, device: None)
+    hybrid._announce = lambda: None
+    hybrid._device = torch.device("cpu")
     hybrid._pipeline = SimpleNamespace(prepare=lambda model: SimpleNamespace(runner=SimpleNamespace(modules={})))
     hybrid._parallelize = lambda model, units: given.append(model)
     hybrid._guard = nullcontext
