@@ -5,15 +5,18 @@ stop the others. Each is a process of its own, restarted on failure up to ``--ma
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
 Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
 every machine otherwise); across machines, TLS (``--ps-tls-cert``/``--ps-tls-key``) keeps it
-and the gradients from travelling in clear text. Each server saves its state every few
-seconds, so one that dies is restarted where it was. When a worker dies, its launcher settles its last push (applied on
-every server or on none) before restarting it; when a worker is done for good its launcher
+and the gradients from travelling in clear text. Each server logs every update before it
+acknowledges it and snapshots its state every few seconds, so one that dies, even by
+``kill -9``, is restarted with every update a worker saw acknowledged; one that comes back
+without some (its state files removed or damaged) fails the job, saying how many it lost.
+When a worker dies, its launcher settles its last push (applied on every server or on none) before restarting it; when a worker is done for good its launcher
 tells every server, and the servers exit once all workers are done.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -135,6 +138,19 @@ class _Job:
                    "--checkpoint-every", str(SERVER_SAVE_SECONDS)] + (["--restarted"] if restarted else [])  # fmt: skip
         return subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
 
+    def _server_failed(self, index: int, proc: subprocess.Popen, code: int, restarts: int) -> str | None:
+        """Why the job fails with server ``index`` exited with ``code``, or None to restart it."""
+        from loom.strategies.parameter_server.serve import LOST_UPDATES
+        from loom.strategies.parameter_server.server import lost_message
+
+        where = f"parameter server {index} ({self.servers[index]}, pid {proc.pid})"
+        report = self.state_dir / f"server-{index}.safetensors.lost"
+        if code == LOST_UPDATES and report.exists():
+            return f"{where} {lost_message(json.loads(report.read_text()))}"
+        if restarts >= self.max_restarts:
+            return f"{where} exited with code {code}"
+        return None
+
     def _start(self, worker: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
         return subprocess.Popen(command, env={**self.env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
@@ -185,17 +201,20 @@ class _Job:
                     del serving[i]
                     if code == 0:
                         continue  # every worker is done
-                    where = f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}"
-                    if server_restarts[i] >= self.max_restarts:
-                        _say(f"job failed: {where}")
+                    failure = self._server_failed(i, proc, code, server_restarts[i])
+                    if failure:
+                        _say(f"job failed: {failure}")
                         return 1
                     server_restarts[i] += 1
-                    _say(f"{where}; restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")
+                    _say(f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}; "
+                         f"restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")  # fmt: skip
                     serving[i] = self._serve(i, restarted=True)
                 for worker, proc in list(running.items()):
                     code = proc.poll()
                     if code is None:
                         continue
+                    if any(p.poll() for p in serving.values()):
+                        break  # a server failed too (the worker may have died of it): that comes first
                     del running[worker]
                     again = code != 0 and restarts[worker] < self.max_restarts
                     self._tell_servers(worker, proc.pid, code, finished=not again)
