@@ -138,17 +138,17 @@ class _Job:
                    "--checkpoint-every", str(SERVER_SAVE_SECONDS)] + (["--restarted"] if restarted else [])  # fmt: skip
         return subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
 
-    def _server_failed(self, index: int, proc: subprocess.Popen, code: int, restarts: int) -> str | None:
-        """Why the job fails with server ``index`` exited with ``code``, or None to restart it."""
-        from loom.strategies.parameter_server.serve import LOST_UPDATES
+    def _lost(self, index: int) -> Path:
+        """Where server ``index`` reports updates it came back without (``serve.py``)."""
+        return self.state_dir / f"server-{index}.safetensors.lost"
+
+    def _lost_updates(self, serving: dict[int, subprocess.Popen]) -> str | None:
+        """Why the job fails, if a server here came back without updates a worker saw."""
         from loom.strategies.parameter_server.server import lost_message
 
-        where = f"parameter server {index} ({self.servers[index]}, pid {proc.pid})"
-        report = self.state_dir / f"server-{index}.safetensors.lost"
-        if code == LOST_UPDATES and report.exists():
-            return f"{where} {lost_message(json.loads(report.read_text()))}"
-        if restarts >= self.max_restarts:
-            return f"{where} exited with code {code}"
+        for index, proc in serving.items():
+            if self._lost(index).exists():
+                return f"parameter server {index} ({self.servers[index]}, pid {proc.pid}) {lost_message(json.loads(self._lost(index).read_text()))}"
         return None
 
     def _start(self, worker: int) -> subprocess.Popen:
@@ -183,6 +183,8 @@ class _Job:
         TLS.from_env(server=bool(servers_here), env=self.env)  # a half-set or unreadable TLS set-up fails here, in one line
         self.state_dir = Path(self.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        for index in servers_here:
+            self._lost(index).unlink(missing_ok=True)  # a report of an earlier run: this one starts from what the files hold
         threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
@@ -198,23 +200,26 @@ class _Job:
                     code = proc.poll()
                     if code is None:
                         continue
-                    del serving[i]
                     if code == 0:
+                        del serving[i]
                         continue  # every worker is done
-                    failure = self._server_failed(i, proc, code, server_restarts[i])
+                    where = f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}"
+                    failure = self._lost_updates({i: proc}) or (where if server_restarts[i] >= self.max_restarts else None)
                     if failure:
                         _say(f"job failed: {failure}")
                         return 1
+                    del serving[i]
                     server_restarts[i] += 1
-                    _say(f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}; "
-                         f"restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")  # fmt: skip
+                    _say(f"{where}; restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")
                     serving[i] = self._serve(i, restarted=True)
                 for worker, proc in list(running.items()):
                     code = proc.poll()
                     if code is None:
                         continue
-                    if any(p.poll() for p in serving.values()):
-                        break  # a server failed too (the worker may have died of it): that comes first
+                    failure = self._lost_updates(serving)  # reported before any worker could die of it
+                    if failure:
+                        _say(f"job failed: {failure}")
+                        return 1
                     del running[worker]
                     again = code != 0 and restarts[worker] < self.max_restarts
                     self._tell_servers(worker, proc.pid, code, finished=not again)

@@ -6,8 +6,8 @@ acknowledges it (``FILE.log.<n>``, see ``wal.py``) and snapshots its state to FI
 ``--checkpoint-every`` seconds and on SIGTERM; a server started again, even after ``kill -9``,
 resumes from the snapshot and the log with every update a worker saw acknowledged, each applied
 once. If a worker has seen more than it came back with (its files were removed or damaged),
-it exits with code ``LOST_UPDATES`` after writing the count to ``FILE.lost`` (JSON), and its
-launcher stops the job. A snapshot that takes long (a large shard) spaces the next ones out, so
+it writes the count to ``FILE.lost`` (JSON), refuses every request and exits with code
+``LOST_UPDATES``; its launcher stops the job. A snapshot that takes long (a large shard) spaces the next ones out, so
 that saving stays under 1/``SAVE_SHARE`` of the server's time instead of keeping a core busy and
 the variables locked (the log grows meanwhile). With
 ``--workers M`` it exits once every worker's launcher has said that worker is done for good;
@@ -18,7 +18,6 @@ With ``LOOM_PS_TLS_CERT`` and ``LOOM_PS_TLS_KEY`` (PEM files) it accepts TLS con
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -68,28 +67,24 @@ def main(argv: list[str] | None = None) -> int:
     next_save = time.monotonic() + args.checkpoint_every
     while not stop.wait(0.2):
         if server.lost is not None:
-            return _stop_lost(server, args.checkpoint, args.index)
+            return _stop_lost(server, args.index)
         if args.workers and server.all_finished(args.workers):
             print(f"loom: parameter server {args.index}: every worker has finished; exiting", flush=True)
             break
         if args.checkpoint and server.created and time.monotonic() >= next_save:
-            started = time.monotonic()
+            started = time.thread_time()  # the save's own work: not the wait for an update to release the variables
             server.save(args.checkpoint)
-            next_save = time.monotonic() + save_interval(args.checkpoint_every, time.monotonic() - started)
+            next_save = time.monotonic() + save_interval(args.checkpoint_every, time.thread_time() - started)
     if args.checkpoint and server.created:
         server.save(args.checkpoint)
     server.stop()
     return 0
 
 
-def _stop_lost(server: ParameterServer, checkpoint: str | None, index: int) -> int:
-    """Stop without saving (the files stay as they were found); the count goes to ``FILE.lost`` for the launcher."""
+def _stop_lost(server: ParameterServer, index: int) -> int:
+    """Stop without saving: the files stay as they were found."""
     server.stop()
-    lost = dict(server.lost or {})
-    print(f"loom: parameter server {index} {lost_message(lost)}", file=sys.stderr, flush=True)
-    if checkpoint:
-        with open(f"{checkpoint}.lost", "w") as file:
-            json.dump(lost, file)
+    print(f"loom: parameter server {index} {lost_message(dict(server.lost or {}))}", file=sys.stderr, flush=True)
     return LOST_UPDATES
 
 

@@ -103,10 +103,18 @@ class ParameterServer:
         return reply
 
     def _check_seen(self, seen: int) -> None:
-        """Refuse every request once a worker has seen a version this server no longer has."""
+        """Refuse every request once a worker has seen a version this server no longer has.
+
+        With a log, the loss is reported in ``FILE.lost`` (JSON) before the first refusal, so
+        the launcher knows of it before any worker dies of it.
+        """
         with self._seq_lock:
             if seen > self.version and self.lost is None:
                 self.lost = {"seen": seen, "resumed_at": self.resumed_at}
+                if self.log is not None:
+                    report = f"{self.log.snapshot}.lost"
+                    Path(f"{report}.tmp").write_text(json.dumps(self.lost))
+                    os.replace(f"{report}.tmp", report)
             elif self.lost is not None:
                 self.lost["seen"] = max(self.lost["seen"], seen)
             lost = dict(self.lost) if self.lost else None
