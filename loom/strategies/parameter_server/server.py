@@ -39,6 +39,7 @@ from loom.errors import CheckpointError
 from loom.strategies.parameter_server import wal
 from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.rounds import Round
 from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
@@ -72,7 +73,7 @@ class ParameterServer:
         self.applied: dict[str, int] = {}  # worker process -> pushes applied
         self.version = 0  # updates applied here: pushes, or rounds in synchronous training
         self.round = -1  # synchronous training: the last round applied
-        self._rounds: dict[int, _Round] = {}  # synchronous training: rounds still waiting for workers
+        self._rounds: dict[int, Round] = {}  # synchronous training: rounds still waiting for workers
         self._round_lock = threading.Lock()
         self._round_done = threading.Condition(self._round_lock)
         self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
@@ -315,7 +316,7 @@ class ParameterServer:
             if seq > self.round:
                 for lost in [r for r in self._rounds if r < seq]:  # restarted from an older checkpoint:
                     del self._rounds[lost]  # the workers moved past these rounds, their other shares are gone
-                self._rounds.setdefault(seq, _Round(sync)).add(str(index), tensors, fields.get("hyper"))
+                self._rounds.setdefault(seq, Round(sync)).add(str(index), tensors, fields.get("hyper"))
             self._count(fields, tensors)
         self._complete_rounds()
         return True
@@ -533,7 +534,7 @@ class ParameterServer:
         server.log_from = meta.get("log_from", 0)
         for round_, info in meta["rounds"].items():
             shares = {key.split("/", 2)[2]: t for key, t in tensors.items() if key.startswith(f"round/{round_}/")}
-            server._rounds[int(round_)] = _Round.restored(info["expected"], info["workers"], shares)
+            server._rounds[int(round_)] = Round.restored(info["expected"], info["workers"], shares)
         return server
 
     @classmethod
@@ -562,7 +563,7 @@ class ParameterServer:
             line += f"; the log ends early: {replay.damage}"
         return server, line
 
-        # ---- serving -------------------------------------------------------------------------------
+    # ---- serving -------------------------------------------------------------------------------
     def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         self._admit(context)
         return self._answer(request, context)
@@ -644,47 +645,3 @@ def _rowwise(slot: Any, value: torch.Tensor) -> bool:
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """A view with rows to slice: a 0-d tensor as one row."""
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
-
-
-class _Round:
-    """Synchronous training: the gradients of one round, summed over the workers that gave."""
-
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
-        self.workers: set[str] = set()
-        self.dense: dict[str, torch.Tensor] = {}
-        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.hyper: list[dict[str, Any]] | None = None  # the round's hyper-parameters, as its shares carry them
-
-    @classmethod
-    def restored(cls, expected: int, workers: list[str], sums: dict[str, torch.Tensor]) -> _Round:
-        """A round as a checkpoint kept it: its sums so far, and who gave them."""
-        pending = cls(expected)
-        pending.add("", sums)
-        pending.workers = set(workers)
-        return pending
-
-    def add(self, worker: str, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
-        if worker in self.workers:
-            return
-        self.workers.add(worker)
-        self.hyper = hyper or self.hyper
-        for key, value in tensors.items():
-            kind, name = key.split("/", 1)
-            if kind == "grad":
-                self.dense[name] = self.dense[name] + value if name in self.dense else value.clone()
-            elif kind == "rowgrad":
-                self.rows.setdefault(name, []).append((tensors[f"rowids/{name}"], value))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The round's sums as one push (repeated rows are summed when applied)."""
-        out = {f"grad/{name}": grad for name, grad in self.dense.items()}
-        for name, parts in self.rows.items():
-            out[f"rowids/{name}"] = torch.cat([ids for ids, _ in parts])
-            out[f"rowgrad/{name}"] = torch.cat([grads for _, grads in parts])
-        return out
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The update synchronous training applies: the mean over the workers that gave."""
-        share = 1.0 / len(self.workers)
-        return {key: value if key.startswith("rowids/") else value * share for key, value in self.tensors().items()}
