@@ -59,8 +59,9 @@ def _say(message: str) -> None:
 class JobOptions:
     """How a parameter-server job trains and survives, the same for every task of it.
 
-    Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
-    directory by default); a server or worker that dies is restarted up to ``max_restarts`` times.
+    Each server logs every update it acknowledges and snapshots its state every few seconds
+    under ``checkpoint_dir`` (a temporary directory by default); a server or worker that dies is
+    restarted up to ``max_restarts`` times.
     ``tls_cert``/``tls_key``: PEM files for TLS (else ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY``).
     ``threads``: CPU threads for each server and worker started here (``--threads``); by
     default the cores divided among this machine's workers.

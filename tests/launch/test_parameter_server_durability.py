@@ -24,6 +24,7 @@ from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
 
 STEPS, HOLD_AT = 40, 6
 pytestmark = pytest.mark.timeout(300)
+shared = pytest.mark.xdist_group("ps_kill_pair")  # the tests of the two jobs run on one xdist worker: the jobs run once
 
 
 def _job(out, *flags, hold_at=None):
@@ -113,6 +114,7 @@ def pair(tmp_path_factory):
     return Pair(final["reference"], final["killed"], jobs[1].returncode, *done[1], pid, rounds)
 
 
+@shared
 def test_a_server_killed_mid_run_comes_back_from_its_log_and_the_job_goes_on(pair):
     assert pair.code == 0, pair.stderr[-3000:]
     assert f"pid {pair.pid}) exited with code -9; restarting it from its checkpoint (1 of 1)" in pair.stderr
@@ -123,6 +125,7 @@ def test_a_server_killed_mid_run_comes_back_from_its_log_and_the_job_goes_on(pai
     assert from_snapshot >= HOLD_AT - 1 and from_log >= 2  # the snapshot taken while the workers were held, then the log
 
 
+@shared
 def test_a_synchronous_job_whose_server_was_killed_ends_with_the_uninterrupted_runs_variables(pair):
     assert pair.code == 0, pair.stderr[-3000:]
     assert pair.killed.keys() == pair.reference.keys() and "bag" in pair.killed
