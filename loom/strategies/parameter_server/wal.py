@@ -12,7 +12,8 @@ the generations it holds.
 
 Nothing is unpickled. A record cut short at the end of a file was being written when the
 server died and was never acknowledged: replay skips it. A record whose digest does not match,
-or a missing generation, is damage: replay stops there and says so.
+one cut short before a later generation, or a missing generation, is damage: replay stops
+there and says so.
 """
 
 from __future__ import annotations
@@ -113,25 +114,26 @@ class Replay:
     """What a restarted server read from its log: the records to apply, and any damage found."""
 
     records: list[Record] = field(default_factory=list)
-    last_generation: int = -1
     damage: str | None = None  # why replay stopped before the end of the log
 
 
 def read(snapshot: str | os.PathLike, first: int) -> Replay:
     """The records of generations ``first`` on, in order, up to the first damage."""
     replay = Replay()
-    for expected, generation in enumerate(g for g in generations(snapshot) if g >= first):
-        if generation != first + expected:
-            replay.damage = f"generation {first + expected} of the log is missing (the next is {generation})"
+    present = [g for g in generations(snapshot) if g >= first]
+    for expected, generation in enumerate(present, start=first):
+        if generation != expected:
+            replay.damage = f"generation {expected} of the log is missing (the next is {generation})"
             return replay
-        replay.last_generation = generation
-        replay.records.extend(_records(generation_path(snapshot, generation), replay))
+        replay.records.extend(_records(generation_path(snapshot, generation), replay, last=generation == present[-1]))
         if replay.damage:
             return replay
     return replay
 
 
-def _records(path: Path, replay: Replay) -> Iterator[Record]:
+def _records(path: Path, replay: Replay, last: bool) -> Iterator[Record]:
+    """The records of one generation. Only the ``last`` may end in a record cut short: the
+    others were fsync'd and closed whole before the next began."""
     data = path.read_bytes()
     if not data.startswith(MAGIC):
         if len(data) < len(MAGIC) and MAGIC.startswith(data):
@@ -139,11 +141,11 @@ def _records(path: Path, replay: Replay) -> Iterator[Record]:
         raise CheckpointError(f"{path} is not a loom parameter-server log (it does not start with {MAGIC!r}); it is not read")
     offset, index = len(MAGIC), 0
     while offset < len(data):
-        if offset + _HEAD.size > len(data):
-            return  # cut short at the end: never acknowledged
-        length, digest = _HEAD.unpack_from(data, offset)
+        length, digest = _HEAD.unpack_from(data, offset) if offset + _HEAD.size <= len(data) else (len(data), b"")
         start = offset + _HEAD.size
-        if start + length > len(data):
+        if start + length > len(data):  # cut short: being written when the server died, never acknowledged
+            if not last:
+                replay.damage = f"record {index} of {path} is cut short, and later generations follow"
             return
         message = data[start : start + length]
         if _digest(message) != digest:
