@@ -5,15 +5,18 @@ stop the others. Each is a process of its own, restarted on failure up to ``--ma
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
 Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
 every machine otherwise); across machines, TLS (``--ps-tls-cert``/``--ps-tls-key``) keeps it
-and the gradients from travelling in clear text. Each server saves its state every few
-seconds, so one that dies is restarted where it was. When a worker dies, its launcher settles its last push (applied on
-every server or on none) before restarting it; when a worker is done for good its launcher
+and the gradients from travelling in clear text. Each server logs every update before it
+acknowledges it and snapshots its state every few seconds, so one that dies, even by
+``kill -9``, is restarted with every update a worker saw acknowledged; one that comes back
+without some (its state files removed or damaged) fails the job, saying how many it lost.
+When a worker dies, its launcher settles its last push (applied on every server or on none) before restarting it; when a worker is done for good its launcher
 tells every server, and the servers exit once all workers are done.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import secrets
 import signal
@@ -56,8 +59,9 @@ def _say(message: str) -> None:
 class JobOptions:
     """How a parameter-server job trains and survives, the same for every task of it.
 
-    Each server saves its state every few seconds under ``checkpoint_dir`` (a temporary
-    directory by default); a server or worker that dies is restarted up to ``max_restarts`` times.
+    Each server logs every update it acknowledges and snapshots its state every few seconds
+    under ``checkpoint_dir`` (a temporary directory by default); a server or worker that dies is
+    restarted up to ``max_restarts`` times.
     ``tls_cert``/``tls_key``: PEM files for TLS (else ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY``).
     ``threads``: CPU threads for each server and worker started here (``--threads``); by
     default the cores divided among this machine's workers.
@@ -135,6 +139,19 @@ class _Job:
                    "--checkpoint-every", str(SERVER_SAVE_SECONDS)] + (["--restarted"] if restarted else [])  # fmt: skip
         return subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
 
+    def _lost(self, index: int) -> Path:
+        """Where server ``index`` reports updates it came back without (``serve.py``)."""
+        return self.state_dir / f"server-{index}.safetensors.lost"
+
+    def _lost_updates(self, serving: dict[int, subprocess.Popen]) -> str | None:
+        """Why the job fails, if a server here came back without updates a worker saw."""
+        from loom.strategies.parameter_server.server import lost_message
+
+        for index, proc in serving.items():
+            if self._lost(index).exists():
+                return f"parameter server {index} ({self.servers[index]}, pid {proc.pid}) {lost_message(json.loads(self._lost(index).read_text()))}"
+        return None
+
     def _start(self, worker: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
         return subprocess.Popen(command, env={**self.env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
@@ -167,6 +184,8 @@ class _Job:
         TLS.from_env(server=bool(servers_here), env=self.env)  # a half-set or unreadable TLS set-up fails here, in one line
         self.state_dir = Path(self.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        for index in servers_here:
+            self._lost(index).unlink(missing_ok=True)  # a report of an earlier run: this one starts from what the files hold
         threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
@@ -182,13 +201,15 @@ class _Job:
                     code = proc.poll()
                     if code is None:
                         continue
-                    del serving[i]
                     if code == 0:
+                        del serving[i]
                         continue  # every worker is done
                     where = f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}"
-                    if server_restarts[i] >= self.max_restarts:
-                        _say(f"job failed: {where}")
+                    failure = self._lost_updates({i: proc}) or (where if server_restarts[i] >= self.max_restarts else None)
+                    if failure:
+                        _say(f"job failed: {failure}")
                         return 1
+                    del serving[i]
                     server_restarts[i] += 1
                     _say(f"{where}; restarting it from its checkpoint ({server_restarts[i]} of {self.max_restarts}); the workers wait for it")
                     serving[i] = self._serve(i, restarted=True)
@@ -196,6 +217,10 @@ class _Job:
                     code = proc.poll()
                     if code is None:
                         continue
+                    failure = self._lost_updates(serving)  # reported before any worker could die of it
+                    if failure:
+                        _say(f"job failed: {failure}")
+                        return 1
                     del running[worker]
                     again = code != 0 and restarts[worker] < self.max_restarts
                     self._tell_servers(worker, proc.pid, code, finished=not again)

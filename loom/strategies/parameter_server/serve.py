@@ -1,11 +1,15 @@
 """A parameter-server process: ``python -m loom.strategies.parameter_server.serve --port P``.
 
 The job's token comes from ``LOOM_PS_TOKEN`` (not the command line, where other users of the
-machine could read it). With ``--checkpoint FILE`` the server saves its state every
-``--checkpoint-every`` seconds and on SIGTERM, and a server started again resumes from it:
-the pushes since the last save are lost, those before it stay applied exactly once. A save
-that takes long (a large shard) spaces the next ones out, so that saving stays under
-1/``SAVE_SHARE`` of the server's time instead of keeping a core busy and the variables locked. With
+machine could read it). With ``--checkpoint FILE`` the server logs every change before it
+acknowledges it (``FILE.log.<n>``, see ``wal.py``) and snapshots its state to FILE every
+``--checkpoint-every`` seconds and on SIGTERM; a server started again, even after ``kill -9``,
+resumes from the snapshot and the log with every update a worker saw acknowledged, each applied
+once. If a worker has seen more than it came back with (its files were removed or damaged),
+it writes the count to ``FILE.lost`` (JSON), refuses every request and exits with code
+``LOST_UPDATES``; its launcher stops the job. A snapshot that takes long (a large shard) spaces the next ones out, so
+that saving stays under 1/``SAVE_SHARE`` of the server's time instead of keeping a core busy and
+the variables locked (the log grows meanwhile). With
 ``--workers M`` it exits once every worker's launcher has said that worker is done for good;
 ``--restarted`` (a restart within the same run) keeps what it knew of that from its checkpoint.
 With ``LOOM_PS_TLS_CERT`` and ``LOOM_PS_TLS_KEY`` (PEM files) it accepts TLS connections only.
@@ -21,10 +25,11 @@ import threading
 import time
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.server import ParameterServer, lost_message
 from loom.strategies.parameter_server.transport import TLS
 
 SAVE_SHARE = 20  # a save waits at least this many times as long as the last one took
+LOST_UPDATES = 3  # exit code: a worker saw updates this server no longer has
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,29 +51,41 @@ def main(argv: list[str] | None = None) -> int:
     except LoomError as error:
         print(f"loom: error: {error}", file=sys.stderr)
         return 2
-    resumed = bool(args.checkpoint) and os.path.exists(args.checkpoint)
-    server = ParameterServer.restore(token, args.checkpoint) if resumed else ParameterServer(token)
+    try:
+        server, resumed = ParameterServer.recover(token, args.checkpoint) if args.checkpoint else (ParameterServer(token), "")
+    except LoomError as error:
+        print(f"loom: error: parameter server {args.index}: {error}", file=sys.stderr)
+        return 2
     if not args.restarted:
         server.new_run()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
-    state = f" (resumed from {args.checkpoint}, {server.version} updates)" if resumed else ""
+    state = f" (resumed from {args.checkpoint}: {resumed})" if resumed else ""
     print(f"loom: parameter server {args.index} listening on {args.host}:{port}{' with TLS' if tls else ''}{state}", flush=True)
     next_save = time.monotonic() + args.checkpoint_every
     while not stop.wait(0.2):
+        if server.lost is not None:
+            return _stop_lost(server, args.index)
         if args.workers and server.all_finished(args.workers):
             print(f"loom: parameter server {args.index}: every worker has finished; exiting", flush=True)
             break
         if args.checkpoint and server.created and time.monotonic() >= next_save:
-            started = time.monotonic()
+            started = time.thread_time()  # the save's own work: not the wait for an update to release the variables
             server.save(args.checkpoint)
-            next_save = time.monotonic() + save_interval(args.checkpoint_every, time.monotonic() - started)
+            next_save = time.monotonic() + save_interval(args.checkpoint_every, time.thread_time() - started)
     if args.checkpoint and server.created:
         server.save(args.checkpoint)
     server.stop()
     return 0
+
+
+def _stop_lost(server: ParameterServer, index: int) -> int:
+    """Stop without saving: the files stay as they were found."""
+    server.stop()
+    print(f"loom: parameter server {index} {lost_message(dict(server.lost or {}))}", file=sys.stderr, flush=True)
+    return LOST_UPDATES
 
 
 def save_interval(every: float, took: float) -> float:

@@ -11,23 +11,35 @@ synchronous training a push is one worker's share of a round: the server sums th
 gradients and applies their mean once, when every worker still in the job has given its share.
 Server 0 also hosts the workers' reduce/gather/barrier (``collectives.py``), and every server
 streams a variable with its optimizer slots in pieces, for checkpoints (``checkpoints.py``).
+
+A server with a state file (``recover``) keeps every update it acknowledges: each change is in
+its write-ahead log (``wal.py``) before the reply, and a restart replays the log over the last
+snapshot. Workers send the newest ``version`` they have seen with each request; a server that
+came back without updates a worker saw (its state files lost or damaged) refuses every request
+from then on and reports how many it lost (``lost``), so the job stops instead of going on
+without them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 from typing import Any, Iterator
 
 import grpc
 import torch
 
+from loom.errors import CheckpointError
+from loom.strategies.parameter_server import wal
 from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.rounds import Round
 from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
@@ -35,6 +47,11 @@ SERVICE, METHOD, STREAM = "loom.ParameterServer", "Call", "Stream"  # a call per
 TOKEN_KEY = "loom-token"
 CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.py)
 LINEAGE_KEPT = 100
+CHANGES = frozenset({"create", "commit", "finish", "write", "lineage"})  # requests acknowledged only once their changes are logged
+
+
+class LostUpdatesError(Exception):
+    """A worker has seen updates that this server, restarted, no longer has."""
 
 
 class ParameterServer:
@@ -56,7 +73,7 @@ class ParameterServer:
         self.applied: dict[str, int] = {}  # worker process -> pushes applied
         self.version = 0  # updates applied here: pushes, or rounds in synchronous training
         self.round = -1  # synchronous training: the last round applied
-        self._rounds: dict[int, _Round] = {}  # synchronous training: rounds still waiting for workers
+        self._rounds: dict[int, Round] = {}  # synchronous training: rounds still waiting for workers
         self._round_lock = threading.Lock()
         self._round_done = threading.Condition(self._round_lock)
         self.staleness: dict[int, int] = {}  # pushes applied between a worker's pull and its push -> count
@@ -71,9 +88,41 @@ class ParameterServer:
         self._server: grpc.Server | None = None
         self.meetings = Meetings()  # reduce/gather/barrier over the workers (server 0's)
         self.lineage: list[str] = []  # checkpoints this state was saved to or restored from, newest last
+        self.log: wal.WriteAheadLog | None = None  # set by ``recover``: every change is logged before it is acknowledged
+        self._log_lock = threading.Lock()  # innermost: orders the log's records
+        self.log_from = 0  # the first log generation this state does not hold (from its snapshot)
+        self.resumed_at = 0  # the version this server came back at
+        self.lost: dict[str, int] | None = None  # a worker saw more than it came back with: {"seen", "resumed_at"}
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Answer one request; one that changed the state only once the change is in the log."""
+        self._check_seen(fields.get("seen", -1))
+        reply = self._handle(fields, tensors)
+        if self.log is not None and fields.get("op") in CHANGES:
+            self.log.sync()
+        return reply
+
+    def _check_seen(self, seen: int) -> None:
+        """Refuse every request once a worker has seen a version this server no longer has.
+
+        With a log, the loss is reported in ``FILE.lost`` (JSON) before the first refusal, so
+        the launcher knows of it before any worker dies of it.
+        """
+        with self._seq_lock:
+            if seen > self.version and self.lost is None:
+                self.lost = {"seen": seen, "resumed_at": self.resumed_at}
+                if self.log is not None:
+                    report = f"{self.log.snapshot}.lost"
+                    Path(f"{report}.tmp").write_text(json.dumps(self.lost))
+                    os.replace(f"{report}.tmp", report)
+            elif self.lost is not None:
+                self.lost["seen"] = max(self.lost["seen"], seen)
+            lost = dict(self.lost) if self.lost else None
+        if lost:
+            raise LostUpdatesError(lost_message(lost))
+
+    def _handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         op = fields.get("op")
         if op == "create":
             return {"created": self._create(fields["optimizer"], tensors, fields.get("generate", {}))}, {}
@@ -99,13 +148,11 @@ class ParameterServer:
                 staged = {str(seq): f.get("parts") for (w, seq), (f, _) in self._staged.items() if w == fields["worker"]}
                 return {"staged": staged, "committed": self._last_seq.get(fields["worker"], -1)}, {}
         if op == "round":
-            return self.wait_for_round(fields["round"], fields.get("wait", 0.0)), {}
+            return {**self.wait_for_round(fields["round"], fields.get("wait", 0.0)), "version": self.version}, {}
         if op == "tick":
             return self._tick(fields["worker"], fields["clock"], fields["workers"], fields["lease"]), {}
         if op == "finish":
-            with self._seq_lock:
-                self.finished[str(fields["worker"])] = fields["code"]
-            self._complete_rounds()  # a synchronous round no longer waits for that worker
+            self._finish(str(fields["worker"]), fields["code"])
             self.meetings.settle(set(self.finished))  # nor does a collective
             return {}, {}
         if op == "meet":
@@ -118,10 +165,7 @@ class ParameterServer:
             self._write_chunk(fields, tensors)
             return {}, {}
         if op == "lineage":  # with "add": record that this state is now that checkpoint's, or descends from it
-            with self._seq_lock:
-                if fields.get("add") and fields["add"] not in self.lineage:
-                    self.lineage = [*self.lineage, fields["add"]][-LINEAGE_KEPT:]
-                return {"lineage": list(self.lineage)}, {}
+            return {"lineage": self._add_lineage(fields.get("add"))}, {}
         if op == "stats":
             stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
             return {**stats, "progress": dict(self.progress)}, {}
@@ -148,6 +192,7 @@ class ParameterServer:
                 self._locks[name] = threading.Lock()
             self.optimizer = ServerOptimizer(**optimizer)
             self.created = True
+            self._record({"op": "create", "optimizer": optimizer, "generate": generate}, tensors)
             return True
 
     def _read(self, name: str) -> torch.Tensor:
@@ -214,6 +259,7 @@ class ParameterServer:
                     if not _rowwise(state.get(slot), value):
                         state[slot] = torch.zeros_like(value)
                     _rows(state[slot])[start : start + len(tensor)] = tensor
+            self._record({**fields, "op": "write"}, tensors)
 
     def _tick(self, worker: int, clock: int, workers: int, lease: float) -> dict[str, Any]:
         """Record a worker's progress; report the slowest live worker's (for bounded staleness).
@@ -253,22 +299,31 @@ class ParameterServer:
 
         Everything was checked when it was staged, so a bad push changes nothing. With
         ``sync`` (the job's number of workers) the push is worker ``index``'s share of round
-        ``seq``, applied with the round.
+        ``seq``, applied with the round. The push, its counts and its log record go together
+        (under the locks a snapshot takes): a snapshot has all of them or none.
         """
-        worker, seq, index, sync, based_on = (fields.get(k) for k in ("worker", "seq", "index", "sync", "based_on"))
+        worker, seq, index, sync = (fields.get(k) for k in ("worker", "seq", "index", "sync"))
         if sync is None:
-            if not self._first_time(worker, seq):
-                return False
-            self._apply(tensors, fields.get("hyper"))
-        else:
-            with self._round_lock:  # recorded and kept together: a checkpoint has both or neither
+            with self._holding(tensors):
                 if not self._first_time(worker, seq):
                     return False
-                if seq > self.round:
-                    for lost in [r for r in self._rounds if r < seq]:  # restarted from an older checkpoint:
-                        del self._rounds[lost]  # the workers moved past these rounds, their other shares are gone
-                    self._rounds.setdefault(seq, _Round(sync)).add(str(index), tensors, fields.get("hyper"))
-            self._complete_rounds()
+                self._step(tensors, fields.get("hyper"))
+                self._count(fields, tensors)
+            return True
+        with self._round_lock:
+            if not self._first_time(worker, seq):
+                return False
+            if seq > self.round:
+                for lost in [r for r in self._rounds if r < seq]:  # restarted from an older checkpoint:
+                    del self._rounds[lost]  # the workers moved past these rounds, their other shares are gone
+                self._rounds.setdefault(seq, Round(sync)).add(str(index), tensors, fields.get("hyper"))
+            self._count(fields, tensors)
+        self._complete_rounds()
+        return True
+
+    def _count(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Count an applied push (a version, in asynchronous training) and log it."""
+        worker, seq, index, based_on = (fields.get(k) for k in ("worker", "seq", "index", "based_on"))
         with self._seq_lock:
             self.applied[worker] = self.applied.get(worker, 0) + 1
             if based_on is not None:
@@ -277,9 +332,9 @@ class ParameterServer:
             if index is not None:  # a worker's sequence numbers count its steps
                 self.progress[str(index)] = max(self.progress.get(str(index), 0), seq + 1)
                 self.joined.add(str(index))
-            if sync is None:
+            if fields.get("sync") is None:
                 self.version += 1
-        return True
+            self._record({"op": "commit", "push": fields}, tensors)
 
     def _first_time(self, worker: str, seq: int) -> bool:
         with self._seq_lock:
@@ -289,23 +344,28 @@ class ParameterServer:
             self._last_seq[worker] = seq
             return True
 
-    def _apply(self, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
-        """One update from gradients (``grad/``) and row gradients (``rowids/``, ``rowgrad/``),
-        with the parameter groups' hyper-parameters as the worker had them for this step."""
-        names = sorted({key.split("/", 1)[1] for key in tensors})
-        held = [self._locks[name] for name in names]  # sorted order: no two pushes deadlock
+    @contextlib.contextmanager
+    def _holding(self, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+        """The locks of the variables an update touches, in sorted order: no two updates deadlock."""
+        held = [self._locks[name] for name in sorted({key.split("/", 1)[1] for key in tensors})]
         for lock in held:
             lock.acquire()
         try:
-            for key, value in tensors.items():
-                kind, name = key.split("/", 1)
-                if kind == "grad":
-                    self.optimizer.apply_dense(name, self.dense[name], value, hyper)
-                elif kind == "rowgrad":
-                    self.optimizer.apply_rows(name, self.tables[name], tensors[f"rowids/{name}"], value, hyper)
+            yield
         finally:
             for lock in held:
                 lock.release()
+
+    def _step(self, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
+        """One update from gradients (``grad/``) and row gradients (``rowids/``, ``rowgrad/``),
+        with the parameter groups' hyper-parameters as the worker had them for this step;
+        the caller holds the variables' locks."""
+        for key, value in tensors.items():
+            kind, name = key.split("/", 1)
+            if kind == "grad":
+                self.optimizer.apply_dense(name, self.dense[name], value, hyper)
+            elif kind == "rowgrad":
+                self.optimizer.apply_rows(name, self.tables[name], tensors[f"rowids/{name}"], value, hyper)
 
     def _complete_rounds(self) -> None:
         """Apply each pending round, oldest first, once every worker still in the job has given to it."""
@@ -318,7 +378,9 @@ class ParameterServer:
                 if len(pending.workers) < pending.expected - len(gone):
                     return
                 del self._rounds[round_]
-                self._apply(pending.mean(), pending.hyper)
+                mean = pending.mean()
+                with self._holding(mean):
+                    self._step(mean, pending.hyper)
                 with self._seq_lock:
                     self.version += 1
                     self.round = round_
@@ -340,6 +402,44 @@ class ParameterServer:
         """A new run of the job from this state: no worker has joined or finished yet."""
         with self._seq_lock:
             self.joined, self.finished = set(), {}
+            self._record({"op": "new_run"})
+
+    def _finish(self, worker: str, code: int) -> None:
+        with self._seq_lock:
+            self.finished[worker] = code
+            self._record({"op": "finish", "worker": worker, "code": code})
+        self._complete_rounds()  # a synchronous round no longer waits for that worker
+
+    def _add_lineage(self, checkpoint: str | None) -> list[str]:
+        with self._seq_lock:
+            if checkpoint and checkpoint not in self.lineage:
+                self.lineage = [*self.lineage, checkpoint][-LINEAGE_KEPT:]
+                self._record({"op": "lineage", "add": checkpoint})
+            return list(self.lineage)
+
+    def _record(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
+        """Log a change; the caller holds a lock that ``save`` takes too, so a snapshot has the change or the log has it."""
+        if self.log is not None:
+            with self._log_lock:
+                self.log.append(fields, tensors)
+
+    def _replay(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Make a logged change again."""
+        op = fields["op"]
+        if op == "commit":
+            self._push(fields["push"], tensors)
+        elif op == "create":
+            self._create(fields["optimizer"], tensors, fields["generate"])
+        elif op == "write":
+            self._write_chunk(fields, tensors)
+        elif op == "finish":
+            self._finish(fields["worker"], fields["code"])
+        elif op == "lineage":
+            self._add_lineage(fields["add"])
+        elif op == "new_run":
+            self.new_run()
+        else:
+            raise WireError(f"unknown record {op!r} in the log")
 
     def _check(self, tensors: dict[str, torch.Tensor]) -> None:
         for key, value in tensors.items():
@@ -358,10 +458,14 @@ class ParameterServer:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Everything this server holds, in one safetensors file replaced atomically (no pickle)."""
+        """Everything this server holds, in one safetensors file replaced atomically (no pickle).
+
+        With a log (``recover``) the snapshot starts the log's next generation, and the ones it
+        holds are removed once it is in place.
+        """
         from safetensors.torch import save_file
 
-        locks = [self._round_lock, self._seq_lock] + [self._locks[n] for n in sorted(self._locks)]
+        locks = [self._round_lock] + [self._locks[n] for n in sorted(self._locks)] + [self._seq_lock]  # as updates take them
         for lock in locks:  # one consistent snapshot: no push half in it
             lock.acquire()
         try:
@@ -373,6 +477,10 @@ class ParameterServer:
             for var, slots in self.optimizer.state.items():
                 steps[var] = slots["step"]
                 tensors.update({f"opt/{var}/{k}": v.clone() for k, v in slots.items() if isinstance(v, torch.Tensor)})
+            rotated = self.log is not None and Path(path) == self.log.snapshot
+            if rotated:
+                with self._log_lock:
+                    self.log_from = self.log.rotate()
             meta = {
                 "optimizer": {k: v for k, v in dataclasses.asdict(self.optimizer).items() if k != "state"},
                 "steps": steps,
@@ -387,6 +495,7 @@ class ParameterServer:
                 "round": self.round,
                 "lineage": self.lineage,
                 "rounds": {r: {"expected": p.expected, "workers": sorted(p.workers)} for r, p in self._rounds.items()},
+                "log_from": self.log_from,
             }
         finally:
             for lock in reversed(locks):
@@ -394,15 +503,17 @@ class ParameterServer:
         temp = f"{path}.tmp-{os.getpid()}"
         save_file(tensors, temp, metadata={"loom": json.dumps(meta)})
         os.replace(temp, path)
+        if rotated:
+            self.log.prune(before=self.log_from)
 
     @classmethod
     def restore(cls, token: str, path: str | os.PathLike) -> ParameterServer:
-        """A server with the state ``save`` wrote; pushes already applied stay applied once."""
-        from safetensors import safe_open
+        """A server with the state ``save`` wrote; pushes already applied stay applied once.
 
-        with safe_open(str(path), framework="pt") as file:
-            meta = json.loads(file.metadata()["loom"])
-            tensors = {key: file.get_tensor(key) for key in file.keys()}
+        The file is read as safetensors and JSON only: anything else (a pickle, say) is refused
+        in one line, unread.
+        """
+        meta, tensors = _read_state(path)
         optimizer = ServerOptimizer(**meta["optimizer"])
         for var, step in meta["steps"].items():
             optimizer.state[var] = {"step": step}
@@ -420,10 +531,37 @@ class ParameterServer:
         server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
         server.round = meta["round"]
         server.lineage = meta.get("lineage", [])
+        server.log_from = meta.get("log_from", 0)
         for round_, info in meta["rounds"].items():
             shares = {key.split("/", 2)[2]: t for key, t in tensors.items() if key.startswith(f"round/{round_}/")}
-            server._rounds[int(round_)] = _Round.restored(info["expected"], info["workers"], shares)
+            server._rounds[int(round_)] = Round.restored(info["expected"], info["workers"], shares)
         return server
+
+    @classmethod
+    def recover(cls, token: str, path: str | os.PathLike, durable: bool = True) -> tuple[ParameterServer, str]:
+        """The state kept at ``path``: its snapshot, if any, with its log replayed; and a line
+        saying what came back (empty when nothing was kept). From then on every change is logged
+        before it is acknowledged (``durable``: and fsync'd; else a power cut may lose what
+        ``kill -9`` does not).
+
+        A server that came back is snapshotted at once, so the log it writes next never follows
+        damage that a later recovery would stop at.
+        """
+        snapshot = Path(path)
+        server = cls.restore(token, snapshot) if snapshot.exists() else cls(token)
+        from_snapshot = server.version
+        replay = wal.read(snapshot, server.log_from)
+        for fields, tensors in replay.records:
+            server._replay(fields, tensors)
+        server.resumed_at = server.version
+        server.log = wal.WriteAheadLog(snapshot, max([server.log_from - 1, *wal.generations(snapshot)]) + 1, durable)
+        if not (snapshot.exists() or replay.records):
+            return server, ""
+        server.save(snapshot)
+        line = f"{server.version} updates: {from_snapshot} from its snapshot, {server.version - from_snapshot} from its log"
+        if replay.damage:
+            line += f"; the log ends early: {replay.damage}"
+        return server, line
 
     # ---- serving -------------------------------------------------------------------------------
     def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -444,6 +582,8 @@ class ParameterServer:
         try:
             fields, tensors = decode(request)
             reply_fields, reply_tensors = self.handle(fields, tensors)
+        except LostUpdatesError as error:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except (WireError, KeyError, IndexError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
         return encode(reply_fields, reply_tensors)
@@ -468,6 +608,33 @@ class ParameterServer:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=1).wait()
+        if self.log is not None:
+            self.log.close()
+
+
+def lost_message(lost: dict[str, int]) -> str:
+    """One line on updates a restarted server lost (``lost``: the newest version a worker saw, and the one it came back at)."""
+    count = lost["seen"] - lost["resumed_at"]
+    return (
+        f"lost {count} updates that workers saw applied: it came back at update {lost['resumed_at']}, a worker had seen "
+        f"update {lost['seen']} (its state files were removed or damaged); they cannot be recovered, so the job stops: "
+        "start it again from its last checkpoint"
+    )
+
+
+def _read_state(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A state file's JSON metadata and tensors, read as safetensors (never unpickled); one line if it is anything else."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            meta = json.loads(file.metadata()["loom"])
+            return meta, {key: file.get_tensor(key) for key in file.keys()}
+    except (SafetensorError, KeyError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"{path} is not a parameter-server state file loom wrote ({type(error).__name__}: {error}); it is not loaded: "
+            "remove it to start that server afresh"
+        ) from None
 
 
 def _rowwise(slot: Any, value: torch.Tensor) -> bool:
@@ -478,47 +645,3 @@ def _rowwise(slot: Any, value: torch.Tensor) -> bool:
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
     """A view with rows to slice: a 0-d tensor as one row."""
     return tensor.reshape(1) if tensor.dim() == 0 else tensor
-
-
-class _Round:
-    """Synchronous training: the gradients of one round, summed over the workers that gave."""
-
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
-        self.workers: set[str] = set()
-        self.dense: dict[str, torch.Tensor] = {}
-        self.rows: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self.hyper: list[dict[str, Any]] | None = None  # the round's hyper-parameters, as its shares carry them
-
-    @classmethod
-    def restored(cls, expected: int, workers: list[str], sums: dict[str, torch.Tensor]) -> _Round:
-        """A round as a checkpoint kept it: its sums so far, and who gave them."""
-        pending = cls(expected)
-        pending.add("", sums)
-        pending.workers = set(workers)
-        return pending
-
-    def add(self, worker: str, tensors: dict[str, torch.Tensor], hyper: list[dict[str, Any]] | None = None) -> None:
-        if worker in self.workers:
-            return
-        self.workers.add(worker)
-        self.hyper = hyper or self.hyper
-        for key, value in tensors.items():
-            kind, name = key.split("/", 1)
-            if kind == "grad":
-                self.dense[name] = self.dense[name] + value if name in self.dense else value.clone()
-            elif kind == "rowgrad":
-                self.rows.setdefault(name, []).append((tensors[f"rowids/{name}"], value))
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The round's sums as one push (repeated rows are summed when applied)."""
-        out = {f"grad/{name}": grad for name, grad in self.dense.items()}
-        for name, parts in self.rows.items():
-            out[f"rowids/{name}"] = torch.cat([ids for ids, _ in parts])
-            out[f"rowgrad/{name}"] = torch.cat([grads for _, grads in parts])
-        return out
-
-    def mean(self) -> dict[str, torch.Tensor]:
-        """The update synchronous training applies: the mean over the workers that gave."""
-        share = 1.0 / len(self.workers)
-        return {key: value if key.startswith("rowids/") else value * share for key, value in self.tensors().items()}

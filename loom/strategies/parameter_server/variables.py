@@ -3,7 +3,9 @@
 Pulls and pushes go to the servers at once (every request sent, then every reply read), each server
 getting only its share: its dense parameters, and for a table the rows in its range. A push
 is staged on every server it touches before any applies it (then committed), so a worker
-that dies mid-push leaves nothing half-applied that its launcher cannot settle.
+that dies mid-push leaves nothing half-applied that its launcher cannot settle. Every request
+carries the newest version the worker has seen from that server (``seen``): a server that
+restarted without updates the worker saw refuses it, instead of training on without them.
 """
 
 from __future__ import annotations
@@ -31,16 +33,28 @@ class ShardedVariables:
         self.index = index
         self.clock = 0  # steps pushed; also the sequence number of the next push
         self.versions: dict[int, int] = {}  # server -> its version when this worker last pulled from it
+        self.seen: dict[int, int] = {}  # server -> the newest version this worker has seen there
         self._splits: deque[tuple[str, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = deque(maxlen=4)
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
-        sent = {s: self.clients[s].send(*request) for s, request in requests.items()}  # all at once, then every reply
-        replies = {s: reply.result() for s, reply in sent.items()}
+        sent = {s: self.clients[s].send({**fields, "seen": self.seen.get(s, -1)}, tensors) for s, (fields, tensors) in requests.items()}
+        replies = {s: reply.result() for s, reply in sent.items()}  # all sent at once, then every reply read
         for s, (fields, _) in replies.items():
             if "version" in fields:
-                self.versions[s] = fields["version"]
+                self._saw(s, fields["version"])
         return replies
+
+    def _call(self, server: int, fields: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> tuple[dict, dict]:
+        """One request to one server, carrying what this worker has seen there."""
+        reply = self.clients[server].call({**fields, "seen": self.seen.get(server, -1)}, tensors)
+        if "version" in reply[0]:
+            self._saw(server, reply[0]["version"])
+        return reply
+
+    def _saw(self, server: int, version: int) -> None:
+        self.versions[server] = version
+        self.seen[server] = max(self.seen.get(server, -1), version)
 
     def _split(self, table: str, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``placement.rows_by_server``, kept for the last few id tensors: a step reads the next
@@ -200,13 +214,13 @@ class ShardedVariables:
             if fields.get("missing"):
                 self._deliver(server, commit)
                 names, ids = reads.get(server, nothing)
-                tensors = self.clients[server].call({"op": "pull", "names": names}, ids)[1] if names or ids else {}
+                tensors = self._call(server, {"op": "pull", "names": names}, ids)[1] if names or ids else {}
             replies[server] = tensors
         return replies
 
     def _deliver(self, server: int, commit: dict[str, Any]) -> None:
-        self.clients[server].call(*self._last_push[server])
-        self.clients[server].call(commit)
+        self._call(server, *self._last_push[server])
+        self._call(server, commit)
 
     def join_rounds(self) -> None:
         """Synchronous training: start at the oldest round a server still waits for.
@@ -214,7 +228,7 @@ class ShardedVariables:
         A round a dead predecessor gave to (its launcher settled that share on every server)
         is given again and ignored; one it did not give to is given now.
         """
-        self.clock = min(c.call({"op": "round", "round": -1})[0]["round"] for c in self.clients) + 1
+        self.clock = min(self._call(s, {"op": "round", "round": -1})[0]["round"] for s in range(len(self.clients))) + 1
 
     def wait_for_round(self) -> None:
         """Block until every server has applied the round this worker just pushed to.
@@ -223,9 +237,9 @@ class ShardedVariables:
         it is sent again (same sequence number, so never counted twice).
         """
         round_ = self.clock - 1
-        for server, client in enumerate(self.clients):
+        for server in range(len(self.clients)):
             while True:
-                fields, _ = client.call({"op": "round", "round": round_, "wait": 1.0})
+                fields, _ = self._call(server, {"op": "round", "round": round_, "wait": 1.0})
                 if fields["round"] >= round_:
                     break
                 if str(self.index) not in fields["given"]:

@@ -120,7 +120,7 @@ def _share(client, index, round_, value, process="a"):
 def test_a_synchronous_round_is_applied_once_with_the_mean_of_its_shares(served):
     server, client, _ = served
     _share(client, 0, 0, 1.0)
-    assert client.call({"op": "round", "round": 0})[0] == {"round": -1, "given": ["0"]}  # waits for worker 1
+    assert client.call({"op": "round", "round": 0})[0] == {"round": -1, "given": ["0"], "version": 0}  # waits for worker 1
     assert torch.equal(server.dense["w"], torch.ones(2, 3))
     _share(client, 0, 0, 9.0, process="b")  # worker 0's restarted process gives round 0 again: ignored
     _share(client, 1, 0, 3.0)
