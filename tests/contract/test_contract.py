@@ -31,6 +31,8 @@ REFUSED = {
     "parameter_server": {
         "fp16_mixed": "ValueError: synchronous parameter servers cannot skip an fp16 step that overflowed",
         "clipping": "ValueError: ParameterServerStrategy cannot clip the global gradient norm",
+        "batchnorm_cnn": "ValueError: ParameterServerStrategy cannot train BatchNorm layer 'features.1' as one device does",
+        "gpt_own_loss": "ValueError: embedding 'transformer.wte' shares its weight with lm_head.weight",
     },
     "tensor_parallel": {
         "fp16_mixed": "ValueError: TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only",
@@ -217,7 +219,10 @@ def test_an_output_object_keeps_its_class_under_mixed_precision(contract_results
     replicas = result(contract_results, strategy, case)
     (reference,) = result(contract_results, "one_device", case)
     assert [r["output_class"] for r in replicas] == ["Output"] * len(replicas)
-    assert max_difference(replicas[0]["weights"], reference["weights"]) <= LOW_PRECISION_TOLERANCE["bf16_mixed"]
+    want = reference["weights"]
+    if strategy == "parameter_server":  # the embedding tables live on the servers, not in the worker's module
+        want = {k: v for k, v in want.items() if k in replicas[0]["weights"]}
+    assert max_difference(replicas[0]["weights"], want) <= LOW_PRECISION_TOLERANCE["bf16_mixed"]
 
 
 @pytest.mark.parametrize("strategy, case", params(["fit_then_save", "compile_before_prepare", "compile_after_prepare"], local=True))

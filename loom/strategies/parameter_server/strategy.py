@@ -32,6 +32,7 @@ from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
+from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
 from loom.strategies.precision import Precision
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
@@ -328,6 +329,8 @@ class ParameterServerStrategy(Strategy):
                     f"embedding '{name}' has max_norm={module.max_norm}, which rewrites the table's rows during the "
                     "forward pass; the table lives on the parameter servers: drop max_norm, or use MirroredStrategy"
                 )
+        refuse_tied_tables(model, tables)
+        refuse_batchnorm(model)
         names_before = {id(p): n for n, p in model.named_parameters()}  # the tables' weights included
         table_params = {f"{n}.weight" for n in tables}
         shapes = {n: p for n, p in model.named_parameters() if n not in table_params}
