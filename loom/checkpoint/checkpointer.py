@@ -38,7 +38,7 @@ from loom import comm, compat
 from loom.checkpoint import layout
 from loom.checkpoint.arrival import meet
 from loom.checkpoint.safe_reader import index_file, load, quiet, read_index
-from loom.checkpoint.state import apply, collect, flatten, merge, rng_state, set_rng_state, without
+from loom.checkpoint.state import apply, check_names, collect, flatten, merge, rng_state, set_rng_state, without
 from loom.comm.health import HealthMonitor
 from loom.errors import CheckpointError, CheckpointMismatchError
 
@@ -232,6 +232,7 @@ class Checkpointer:
                 f"{path}: saved in checkpoint format {meta.get('format')!r}, and this loom reads format {FORMAT}: "
                 "restore it with the loom version that saved it (or a newer one)"
             )
+        check_names(state, meta["kinds"], path)
         index = read_index(path, listed)
         tensors, _, _ = collect({k: v for k, v in state.items() if meta["kinds"].get(k) != "value"}, meta["plain"])
         missing, unexpected = check_match(flatten(tensors), index.state_dict_metadata, path, strict)

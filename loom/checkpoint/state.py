@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from loom.compat import optimizer_state_dict
-from loom.errors import CheckpointError
+from loom.errors import CheckpointError, CheckpointMismatchError
 
 Tree = dict[str, Any]
 
@@ -72,15 +72,28 @@ def _optimizer_tree(model: nn.Module, optimizer: torch.optim.Optimizer, saved: T
     return {**optimizer_state_dict(model, optimizer), "state": {}}
 
 
+def check_names(state: dict[str, Any], kinds: dict[str, str], path: Any) -> None:
+    """Refuse names the checkpoint lacks before anything is loaded.
+
+    A mismatch, not damage: the checkpoints before it would lack the name too, so ``fallback``
+    must not pass over them, and no object may be left loaded from one checkpoint and not another.
+    """
+    missing = [name for name in state if name not in kinds]
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint does not match: {path} holds no {', '.join(repr(n) for n in missing)} "
+            f"(it holds: {', '.join(sorted(kinds))}); pass the names it was saved with"
+        )
+
+
 def apply(state: dict[str, Any], kinds: dict[str, str], loaded: Tree, strict: bool = True) -> None:
     """Load ``loaded`` into the user's objects in place (plain values come back from ``restore``).
 
-    ``strict=False``: a model's keys that ``loaded`` lacks keep their values.
+    Every name is one ``kinds`` has (``check_names``). ``strict=False``: a model's keys that
+    ``loaded`` lacks keep their values.
     """
     for name, value in state.items():
-        kind = kinds.get(name)
-        if kind is None:
-            raise CheckpointError(f"the checkpoint holds no '{name}' (it holds: {', '.join(sorted(kinds))})")
+        kind = kinds[name]
         if kind == "module":
             set_model_state_dict(value, loaded[name], options=StateDictOptions(strict=strict))
         elif kind == "optimizer":

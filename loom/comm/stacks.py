@@ -27,14 +27,20 @@ WORKER = "loom.launch.worker"
 
 
 def main_frames(limit: int = 40) -> list[dict[str, Any]]:
-    """The main thread's frames, innermost first, each with its source line (deep enough to reach the user's
-    code from inside torch's hooks)."""
+    """The main thread's frames, innermost first, each with its source line.
+
+    The innermost ``limit``, then up to ``limit`` of the user's further out: a rank stuck in a
+    collective (or reporting its own hang) is deeper than ``limit`` frames inside torch and
+    loom, and the user's line is what names the place.
+    """
     frame = sys._current_frames().get(threading.main_thread().ident)
-    frames = []
-    while frame is not None and len(frames) < limit:
+    frames, users = [], 0
+    while frame is not None and users < limit:
         code = frame.f_code
-        frames.append({"file": code.co_filename, "line": frame.f_lineno, "name": code.co_name,
-                       "code": linecache.getline(code.co_filename, frame.f_lineno).strip()})  # fmt: skip
+        if len(frames) < limit or collective_log.user_frames([{"file": code.co_filename}]):
+            users += len(frames) >= limit
+            frames.append({"file": code.co_filename, "line": frame.f_lineno, "name": code.co_name,
+                           "code": linecache.getline(code.co_filename, frame.f_lineno).strip()})  # fmt: skip
         frame = frame.f_back
     return frames
 

@@ -271,15 +271,10 @@ class Strategy(ABC):
         try:
             yield
         finally:
-            leftover = self._micro_steps % steps
+            micro_steps = self._micro_steps
             self._accumulation_steps, self._micro_steps, self._accumulating = 1, 0, None
             self._set_gradient_sync(True)
-            if leftover:
-                warnings.warn(
-                    f"accumulate({steps}) ended {leftover} micro-step(s) into a cycle; their gradients are "
-                    "still in .grad and join the next update (make the steps per epoch a multiple of it)",
-                    stacklevel=3,
-                )
+        _check_cycles_ended(steps, micro_steps)
 
     # ---- data -------------------------------------------------------------------------------
     def distribute(
@@ -474,6 +469,26 @@ def _count(n: int, noun: str) -> str:
 
 
 SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value
+
+
+def _check_cycles_ended(steps: int, micro_steps: int) -> None:
+    """Refuse an accumulate() that never reached an update; warn about a cycle left half done.
+
+    Each accumulate() counts from zero, so one entered per iteration (as Accelerate's
+    ``accumulate(model)`` is) would never step the optimizer.
+    """
+    if 0 < micro_steps < steps:
+        raise RuntimeError(
+            f"accumulate({steps}) ended after {micro_steps} micro-step(s), before its first update, so nothing "
+            f"was trained: wrap the whole loop in it (with strategy.accumulate({steps}): for x, y in loader: ...), "
+            "not each iteration as with Accelerate's accumulate(model)"
+        )
+    if micro_steps % steps:
+        warnings.warn(
+            f"accumulate({steps}) ended {micro_steps % steps} micro-step(s) into a cycle; their gradients are "
+            "still in .grad and join the next update (make the steps per epoch a multiple of it)",
+            stacklevel=4,
+        )
 
 
 def _scaled(state: dict[str, Any]) -> dict[str, StrategyOptimizer]:

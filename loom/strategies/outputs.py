@@ -88,6 +88,27 @@ def model_loss(out: Any) -> torch.Tensor:
     return loss
 
 
+def model_logits(out: Any) -> torch.Tensor:
+    """The per-sample scores in what a model that computes its own loss returned, for a metric.
+
+    A tensor is the scores; a dict (or object) holds them as ``"logits"`` (``.logits``); a tuple
+    or list holds exactly one tensor besides its scalar loss: ``(logits, loss)`` or ``(loss, logits)``.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, Mapping) and isinstance(out.get("logits"), torch.Tensor):
+        return out["logits"]
+    if not isinstance(out, (list, tuple, Mapping)) and isinstance(getattr(out, "logits", None), torch.Tensor):
+        return out.logits
+    scores = [o for o in out if isinstance(o, torch.Tensor) and o.dim() > 0] if isinstance(out, (list, tuple)) else []
+    if len(scores) != 1:
+        raise ValueError(
+            f"a built-in metric scores the model's logits, but its {type(out).__name__} output does not say which they are: "
+            "return (logits, loss) or a dict/object with a 'logits' entry, or pass a metric function that takes the output"
+        )
+    return scores[0]
+
+
 def call_with_targets(model: Callable[..., Any], inputs: Any, targets: Any) -> Any:
     """Call a model that computes its own loss: ``model(inputs, targets)``, ``model(inputs)``
     without targets, ``model(**inputs)`` for a dict of inputs (labels included)."""

@@ -6,15 +6,21 @@ real sample of every replica.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
+
+from loom.strategies.outputs import model_logits
 
 Metric = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def accuracy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """1 where the highest-scoring class is the target (or, for one output, where sign matches a 0/1 target)."""
+def accuracy(outputs: Any, targets: torch.Tensor) -> torch.Tensor:
+    """1 where the highest-scoring class is the target (or, for one output, where sign matches a 0/1 target).
+
+    ``outputs`` may be what a model computing its own loss returned: its logits are scored.
+    """
+    outputs = model_logits(outputs)
     if outputs.dim() == 1 or outputs.shape[-1] == 1:
         return ((outputs.reshape(-1) > 0).long() == targets.reshape(-1).long()).float()
     return (outputs.argmax(dim=-1) == targets).float()

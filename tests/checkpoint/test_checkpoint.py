@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -161,6 +162,23 @@ def test_mismatched_model_names_the_key_and_both_shapes(tmp_path):
     deeper = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 2), nn.Linear(2, 2))
     with pytest.raises(CheckpointMismatchError, match=r"has no tensor 'model\.3\.weight' \(here \[2, 2\]\)"):
         strategy.restore(tmp_path, model=deeper)
+
+
+def test_a_name_the_checkpoint_lacks_is_a_mismatch_that_loads_nothing_even_with_fallback(tmp_path):
+    """A renamed object is no damage: fallback must not pass over the checkpoints, nor load half of one."""
+    strategy, model, opt = _trained()
+    strategy.save(tmp_path, step=1, model=model)
+    strategy.save(tmp_path, step=2, model=model, optimizer=opt)
+    other, fresh_model, fresh_opt = _trained(seed=1)
+    before = {k: v.clone() for k, v in fresh_model.state_dict().items()}
+    scheduler = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=1)
+    for fallback in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(CheckpointMismatchError, match=r"step-00000002 holds no 'scheduler' \(it holds: model, optimizer\); pass the names it was saved with$"):
+                other.restore(tmp_path, model=fresh_model, optimizer=fresh_opt, scheduler=scheduler, fallback=fallback)
+        assert not [w for w in caught if "damaged" in str(w.message)]
+        assert all(torch.equal(before[k], v) for k, v in fresh_model.state_dict().items())
 
 
 def test_unsupported_values_are_refused_with_the_reason(tmp_path):

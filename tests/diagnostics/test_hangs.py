@@ -2,6 +2,7 @@
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -150,6 +151,19 @@ def test_another_thread_reads_the_main_threads_stack_in_place():
         pass
     here = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# READ_HERE"))
     assert seen[0].startswith(f"test_hangs.py:{here} in test_another_thread_reads_the_main_threads_stack_in_place (while reader.is_alive()"), seen
+
+
+def test_the_users_line_is_found_below_many_of_looms_frames():
+    """A rank reporting its own hang is deeper than the innermost frames inside loom and torch."""
+    import loom
+    from loom.comm.stacks import describe, main_frames
+
+    inside_loom = str(Path(loom.__file__).parent / "deep.py")  # code compiled under loom's folder counts as loom's
+    namespace: dict = {"main_frames": main_frames}
+    exec(compile("def deep(n):\n    return main_frames() if n == 0 else deep(n - 1)\n", inside_loom, "exec"), namespace)
+    frames = namespace["deep"](60)  # CALL_HERE: deeper than main_frames' innermost 40
+    here = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# CALL_HERE"))
+    assert describe(frames).startswith(f"test_hangs.py:{here} in test_the_users_line_is_found_below_many_of_looms_frames"), describe(frames)
 
 
 def test_loom_stacks_prints_where_each_rank_of_a_running_job_is(capsys):

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import loom
-from loom.strategies.outputs import model_loss
+from loom.strategies.outputs import model_logits, model_loss
 from tests.helpers import run_ranks
 
 
@@ -109,13 +109,18 @@ def test_train_step_takes_the_models_own_loss(kind):
 
 
 def test_fit_and_evaluate_take_the_models_own_loss():
-    """50 samples in batches of 16: the uneven last batch; validation counts only the real samples."""
-    kwargs: dict[str, Any] = dict(batch_size=16, strategy=loom.OneDeviceStrategy(), progress=False, shuffle=False)
+    """50 samples in batches of 16: the uneven last batch; validation counts only the real samples.
+
+    The accuracy metric scores the logits in each output shape.
+    """
+    kwargs: dict[str, Any] = dict(batch_size=16, strategy=loom.OneDeviceStrategy(), progress=False, shuffle=False, metrics=["accuracy"])
     sgd = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
     expected = loom.fit(mlp(), F.cross_entropy, sgd, data(50), val_data=data(21, 1), **kwargs)
-    own = OwnLoss("tuple")
-    got = loom.fit(own, None, sgd, data(50), val_data=data(21, 1), **kwargs)
-    assert got["loss"] == pytest.approx(expected["loss"]) and got["val_loss"] == pytest.approx(expected["val_loss"])
+    for kind in ("hf_tuple", "model_output", "dataclass", "tuple"):
+        own = OwnLoss(kind)
+        got = loom.fit(own, None, sgd, data(50), val_data=data(21, 1), **kwargs)
+        for name in ("loss", "val_loss", "accuracy", "val_accuracy"):
+            assert got[name] == pytest.approx(expected[name]), (kind, name)
     evaluated = loom.evaluate(own, None, data(21, 1), batch_size=16, strategy=loom.OneDeviceStrategy())
     assert evaluated["loss"] == pytest.approx(loom.evaluate(own.net, F.cross_entropy, data(21, 1), batch_size=16, strategy=loom.OneDeviceStrategy())["loss"])
 
@@ -133,6 +138,11 @@ def test_a_loss_the_step_cannot_find_is_one_line(out, line):
     with pytest.raises((TypeError, ValueError)) as error:
         model_loss(out)
     assert line in str(error.value) and "\n" not in str(error.value)
+
+
+def test_logits_a_metric_cannot_find_are_one_line():
+    with pytest.raises(ValueError, match=r"^a built-in metric scores the model's logits, but its tuple output does not say which they are: return \(logits, loss\)"):
+        model_logits((torch.ones(4, 3), torch.ones(4, 2), torch.tensor(1.0)))
 
 
 def test_dict_inputs_go_in_as_keywords_and_targets_then_belong_in_them():

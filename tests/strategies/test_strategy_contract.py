@@ -83,7 +83,27 @@ def test_accumulate_steps_only_at_the_end_of_a_cycle():
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[1], weights[2])
     with pytest.warns(UserWarning, match=r"accumulate\(2\) ended 1 micro-step\(s\) into a cycle"):
         with strategy.accumulate(2):
+            for _ in range(3):
+                strategy.backward(model(torch.ones(1, 2)).sum())
+                opt.step()
+
+
+def test_accumulate_entered_per_iteration_is_refused():
+    """Accelerate's habit, `with accumulate(...)` inside the loop, would never reach an update."""
+    strategy = loom.OneDeviceStrategy()
+    net = nn.Linear(2, 1)
+    model, opt = strategy.prepare(net, lambda p: torch.optim.SGD(p, lr=1.0))
+    before = net.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"^accumulate\(4\) ended after 1 micro-step\(s\), before its first update, so nothing was trained: wrap the whole loop in it"):
+        with strategy.accumulate(4):
             strategy.backward(model(torch.ones(1, 2)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert torch.equal(net.weight, before)
+    with strategy.accumulate(1):  # the strategy is usable again
+        strategy.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+    assert not torch.equal(net.weight, before)
 
 
 @pytest.mark.parametrize(
