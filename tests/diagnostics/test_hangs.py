@@ -161,7 +161,8 @@ def test_the_users_line_is_found_below_many_of_looms_frames():
     inside_loom = str(Path(loom.__file__).parent / "deep.py")  # code compiled under loom's folder counts as loom's
     namespace: dict = {"main_frames": main_frames}
     exec(compile("def deep(n):\n    return main_frames() if n == 0 else deep(n - 1)\n", inside_loom, "exec"), namespace)
-    frames = namespace["deep"](60)  # CALL_HERE: deeper than main_frames' innermost 40
+    # deeper than main_frames' innermost 40 frames
+    frames = namespace["deep"](60)  # CALL_HERE
     here = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if text.endswith("# CALL_HERE"))
     assert describe(frames).startswith(f"test_hangs.py:{here} in test_the_users_line_is_found_below_many_of_looms_frames"), describe(frames)
 
