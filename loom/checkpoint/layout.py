@@ -147,8 +147,9 @@ def digest_block(file: Path, index: int, unreadable: str | None = None) -> str:
 
 
 def hash_threads() -> int:
-    """Threads to hash with beside one busy thread (reading, or the caller): one per other core."""
-    return max(1, min(HASH_THREADS, available_cores() - 1))
+    """Threads to hash with: one per core, since the reading thread waits on their digests as often as it
+    reads (500 MB restored on 2 cores: 1.63x the unverified time with one thread, 1.36x with two)."""
+    return max(1, min(HASH_THREADS, available_cores()))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
