@@ -28,8 +28,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from loom.compat import BatchNormBase
 from loom.strategies.outputs import map_outputs
+from loom.strategies.sync_batchnorm import first_batchnorm
 
 
 @dataclass(frozen=True)
@@ -411,13 +411,12 @@ def check_untied(layers: Layers, bounds: Sequence[int]) -> None:
 
 def refuse_batchnorm(model: nn.Module) -> None:
     """BatchNorm in a pipeline would normalise each micro-batch by its own statistics: refuse it."""
-    for name, module in model.named_modules():
-        if isinstance(module, BatchNormBase):
-            raise ValueError(
-                f"PipelineStrategy cannot train BatchNorm layer '{name}' as one device does: each micro-batch would be "
-                "normalised by its own statistics, and update the running ones once per micro-batch; use GroupNorm or "
-                "LayerNorm there, or MirroredStrategy(sync_batchnorm=True)"
-            )
+    if (name := first_batchnorm(model)) is not None:
+        raise ValueError(
+            f"PipelineStrategy cannot train BatchNorm layer '{name}' as one device does: each micro-batch would be "
+            "normalised by its own statistics, and update the running ones once per micro-batch; use GroupNorm or "
+            "LayerNorm there, or MirroredStrategy(sync_batchnorm=True)"
+        )
 
 
 def owned_tensors(layers: Layers, bounds: Sequence[int], stages: Sequence[int]) -> dict[str, torch.Tensor]:

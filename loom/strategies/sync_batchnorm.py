@@ -74,3 +74,8 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
         if converted is not child:
             setattr(module, name, converted)
     return module
+
+
+def first_batchnorm(model: nn.Module) -> str | None:
+    """The name of ``model``'s first BatchNorm layer, for the strategies that refuse one; None without."""
+    return next((name for name, module in model.named_modules() if isinstance(module, BatchNormBase)), None)

@@ -4,18 +4,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from loom.compat import BatchNormBase
+from loom.strategies.sync_batchnorm import first_batchnorm
 
 
 def refuse_batchnorm(model: nn.Module) -> None:
     """Buffers stay on the workers: each would normalise its own batch and keep its own statistics."""
-    for name, module in model.named_modules():
-        if isinstance(module, BatchNormBase):
-            raise ValueError(
-                f"ParameterServerStrategy cannot train BatchNorm layer '{name}' as one device does: each worker would "
-                "normalise its own batch and keep running statistics that no server holds; use GroupNorm or LayerNorm "
-                "there, or MirroredStrategy(sync_batchnorm=True)"
-            )
+    if (name := first_batchnorm(model)) is not None:
+        raise ValueError(
+            f"ParameterServerStrategy cannot train BatchNorm layer '{name}' as one device does: each worker would "
+            "normalise its own batch and keep running statistics that no server holds; use GroupNorm or LayerNorm "
+            "there, or MirroredStrategy(sync_batchnorm=True)"
+        )
 
 
 def refuse_tied_tables(model: nn.Module, tables: dict[str, nn.Module]) -> None:
