@@ -56,13 +56,18 @@ def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list
     The threads share torch's global generator: each model is seeded and built under a lock,
     or their draws interleave and the workers start from other weights than OneDevice's.
     """
-    build, lock = cases.mlp, threading.Lock()
+    build, seeded, lock = cases.mlp, cases._seeded_per_rank, threading.Lock()
 
     def seeded_mlp() -> torch.nn.Module:
         with lock:
             return build()
 
+    def seeded_per_rank(model: Any) -> torch.nn.Module:
+        with lock:
+            return seeded(model)
+
     monkeypatch.setattr(cases, "mlp", seeded_mlp)
+    monkeypatch.setattr(cases, "_seeded_per_rank", seeded_per_rank)
     results: list[dict[str, Any]] = [{}, {}]
     for name in CASES:
         servers = [ParameterServer("contract") for _ in range(2)]
