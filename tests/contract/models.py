@@ -9,6 +9,8 @@ state that most often trains differently under a strategy.
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -26,6 +28,23 @@ class Output(dict):
             return self[name]
         except KeyError as error:
             raise AttributeError(name) from error
+
+
+@dataclasses.dataclass
+class ModelOutput(OrderedDict):
+    """Hugging Face's output class itself, reduced: a dataclass and an ordered dict whose items are also attributes."""
+
+    loss: Any = None
+    logits: Any = None
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
 
 
 class Attention(nn.Module):

@@ -7,8 +7,6 @@ DIR/results-<rank>.pt; the pipeline's checkpoint to DIR/pipeline.
 """
 
 import argparse
-import dataclasses
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +17,7 @@ from torch.utils.data import TensorDataset
 
 import loom
 from examples.gpt_model import GPT, GPTConfig, next_byte_loss
+from tests.contract.models import ModelOutput
 
 CONFIG = GPTConfig(context=8, width=16, heads=2, layers=4)
 BATCH = 8
@@ -57,23 +56,6 @@ class NanoGPT(nn.Module):
 
 def nano_loss(out, targets):
     return next_byte_loss(out[0], targets)
-
-
-@dataclasses.dataclass
-class ModelOutput(OrderedDict):
-    """Hugging Face's output class, reduced: a dict whose items are also attributes."""
-
-    logits: Any = None
-    loss: Any = None
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) is not None:
-                self[f.name] = getattr(self, f.name)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        super().__setattr__(key, value)
 
 
 class Transformer(nn.Module):

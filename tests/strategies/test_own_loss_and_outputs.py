@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, namedtuple
+from collections import namedtuple
 from typing import Any
 
 import pytest
@@ -14,6 +14,7 @@ from torch.utils.data import TensorDataset
 
 import loom
 from loom.strategies.outputs import model_logits, model_loss
+from tests.contract.models import ModelOutput
 from tests.helpers import run_ranks
 
 
@@ -26,23 +27,6 @@ def data(n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 6, generator=g)
     return TensorDataset(x, (x[:, :3].argmax(1)))
-
-
-@dataclasses.dataclass
-class ModelOutput(OrderedDict):
-    """Hugging Face's output class, reduced: a dict whose items are also attributes."""
-
-    loss: Any = None
-    logits: Any = None
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) is not None:
-                self[f.name] = getattr(self, f.name)
-
-    def __setitem__(self, key: str, value: Any) -> None:
-        super().__setitem__(key, value)
-        super().__setattr__(key, value)
 
 
 class AttrDict(dict):
