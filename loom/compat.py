@@ -104,6 +104,13 @@ def run_torchrun(argv: list[str]) -> Any:
     return torchrun.run(torchrun.parse_args(argv))
 
 
+def torchrun_accepts(option: str) -> bool:
+    """Whether this torch's torchrun takes ``option`` (older ones lack ``--shutdown-timeout``)."""
+    from torch.distributed import run as torchrun
+
+    return any(option in action.option_strings for action in torchrun.get_args_parser()._actions)
+
+
 # The elastic agent's methods ``loom.launch.agent.ReportingAgent`` extends (private to torch).
 AGENT_HOOKS = ("_rendezvous", "_monitor_workers", "_restart_workers")
 
@@ -230,3 +237,19 @@ def global_module_hooks() -> bool:
 
     names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks", "_global_backward_pre_hooks")
     return any(getattr(module, name, None) for name in names)
+
+
+def _ddp_takes(option: str) -> bool:
+    import inspect
+
+    return option in inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+# DDP's option that hands replica 0's buffers to every replica at each forward: torch 2.13
+# renamed ``broadcast_buffers`` (now deprecated there) to ``forward_sync_buffers``.
+DDP_BUFFER_SYNC = "forward_sync_buffers" if _ddp_takes("forward_sync_buffers") else "broadcast_buffers"
+
+
+def ddp_syncs_buffers(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``ddp`` hands replica 0's buffers to every replica, under either torch's name."""
+    return bool(getattr(ddp, DDP_BUFFER_SYNC))

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,14 @@ def one_device_results(directory: Path) -> dict[str, Any]:
     torch.backends.cudnn.allow_tf32 = False
     save_reference(directory / "reference")
     make = lambda **options: loom.OneDeviceStrategy(**options)  # noqa: E731
-    return {name: _cpu(run_case(name, make, directory)) for name in CASES}
+    results = {}
+    for name in CASES:
+        try:
+            results[name] = _cpu(run_case(name, make, directory))
+        except Exception as error:  # one failing case must not hide the others' figures
+            traceback.print_exc()
+            results[name] = {"failed": f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"}
+    return results
 
 
 def _cpu(value: Any) -> Any:
@@ -61,11 +69,16 @@ def difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((a["weights"][k].double() - b["weights"][k].double()).abs().max().item() for k in a["weights"])
 
 
+def _env() -> dict[str, str]:
+    """This environment with the repository first on the path (and whatever the path held kept)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def cpu_reference(directory: Path) -> dict[str, Any]:
     """The same cases with CUDA hidden, in a process of their own."""
     out = directory / "cpu.pt"
     code = f"import torch; from pathlib import Path; from tests.gpu_check import one_device_results; torch.save(one_device_results(Path({str(directory)!r})), {str(out)!r})"
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**_env(), "CUDA_VISIBLE_DEVICES": ""})
     return torch.load(out, weights_only=True)
 
 
@@ -73,11 +86,11 @@ def check_one_device(work: Path) -> dict[str, float]:
     (work / "gpu").mkdir()
     (work / "cpu").mkdir()
     gpu, cpu = one_device_results(work / "gpu"), cpu_reference(work / "cpu")
-    return {name: difference(gpu[name], cpu[name]) for name in gpu if "error" not in gpu[name]}
+    return {name: gpu[name].get("failed") or difference(gpu[name], cpu[name]) for name in gpu if "error" not in gpu[name]}
 
 
 def check_launched(work: Path, gpus: int) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = _env()
     if gpus >= 2:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/contract", "-k", EQUIVALENCE_ROWS], cwd=ROOT, env=env)
         return {"contract_rows_on_2_gpus": "passed" if done.returncode == 0 else f"failed (pytest exit {done.returncode})"}
@@ -93,7 +106,7 @@ def check_launched(work: Path, gpus: int) -> dict[str, Any]:
     found = {}
     for name in ONE_PROCESS:
         got = torch.load(work / name / "results-0.pt", weights_only=True, map_location="cpu")
-        found[name] = {case: difference(got[case], reference[case]) for case in ("sgd_momentum", "adamw_weight_decay", "clipping") if "error" not in got[case]}
+        found[name] = {case: got[case].get("error") or difference(got[case], reference[case]) for case in ("sgd_momentum", "adamw_weight_decay", "clipping")}
     return found
 
 
@@ -111,19 +124,24 @@ def main() -> int:
         work = Path(tmp)
         one = check_one_device(work)
         print("OneDevice on CUDA against the CPU, largest weight difference per case:", json.dumps(one, indent=1), flush=True)
-        failures += [f"one_device {case}: {d:.2e}" for case, d in one.items() if d > TOLERANCE]
-        launched = check_launched(work, gpus)
+        failures += [f"one_device {case}: {d if isinstance(d, str) else f'{d:.2e}'}" for case, d in one.items() if isinstance(d, str) or d > TOLERANCE]
+        try:
+            launched = check_launched(work, gpus)
+        except Exception as error:  # still run the benchmark
+            traceback.print_exc()
+            launched = {"launch": f"failed: {type(error).__name__}: {error}"}
         print("launched on NCCL:", json.dumps(launched, indent=1), flush=True)
         for name, got in launched.items():
             if isinstance(got, str):
                 failures += [] if got == "passed" else [f"{name}: {got}"]
             else:
-                failures += [f"{name} {case}: {d:.2e}" for case, d in got.items() if d > TOLERANCE]
+                failures += [f"{name} {case}: {d if isinstance(d, str) else f'{d:.2e}'}" for case, d in got.items() if isinstance(d, str) or d > TOLERANCE]
     strategies = ["mirrored", "sharded", "pipeline", "tensor_parallel"] if gpus >= 2 else []
     start = time.perf_counter()
     bench = subprocess.run([sys.executable, "bench/gpt.py", "--strategies", *strategies], cwd=ROOT)  # raw PyTorch and OneDevice always
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"gpus": gpus, "device": torch.cuda.get_device_name(0), "one_device_vs_cpu": one,
+    Path(args.out).write_text(json.dumps({"gpus": gpus, "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                          "nccl": ".".join(map(str, torch.cuda.nccl.version())), "one_device_vs_cpu": one,
                                           "launched": launched, "bench_gpt_exit": bench.returncode, "bench_gpt_s": time.perf_counter() - start,
                                           "failures": failures}, indent=1))  # fmt: skip
     for failure in failures:

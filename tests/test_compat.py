@@ -155,3 +155,14 @@ def test_worker_failure_pickles_and_reraises_with_the_worker_s_traceback():
     with pytest.raises(KeyError, match="row 7") as raised:
         failure.reraise()
     assert "in a test worker" in str(raised.value)
+
+
+def test_torchrun_options_are_read_from_its_own_parser():
+    assert compat.torchrun_accepts("--shutdown-timeout")  # torch 2.13's torchrun has it
+    assert not compat.torchrun_accepts("--no-such-option")
+
+
+def test_ddp_buffer_sync_option_is_the_one_this_torch_takes():
+    import inspect
+
+    assert compat.DDP_BUFFER_SYNC in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters

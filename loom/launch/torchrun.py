@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from loom.cluster import NodeSpec, resolve_node
-from loom.compat import run_torchrun
+from loom.compat import run_torchrun, torchrun_accepts
 from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
@@ -110,7 +110,9 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
     node = opts.node()
     nproc = opts.processes()
     check_nproc(nproc)
-    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts), "--shutdown-timeout", str(SHUTDOWN_GRACE)]
+    argv = ["--nproc-per-node", str(nproc), "--max-restarts", str(opts.max_restarts)]
+    if torchrun_accepts("--shutdown-timeout"):  # older torch waits its own 30 s
+        argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE)]
     if node.nnodes == 1 and node.master_port is None:
         argv += ["--standalone"]
     else:

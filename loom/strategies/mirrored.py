@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
+from loom.compat import DDP_BUFFER_SYNC, ddp_syncs_buffers
 from loom.comm.compression import Compression, PowerSGD, check_compression, choose_compression, compression_hook, measure_bandwidth
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
@@ -46,7 +47,7 @@ class MirroredStrategy(Strategy):
             use (a branch not taken, a frozen head); costs a graph walk per step.
         static_graph: DDP's option for a graph that is the same every step (lets it skip
             that walk, and allows reentrant activation checkpointing).
-        broadcast_buffers: DDP's option (``forward_sync_buffers`` in torch 2.13): replica 0's
+        broadcast_buffers: DDP's option (``forward_sync_buffers`` from torch 2.13): replica 0's
             buffers (BatchNorm statistics) copied to every replica before each forward; they are
             made equal once at the start either way.
         sync_batchnorm: BatchNorm layers compute their statistics over the global batch.
@@ -82,7 +83,7 @@ class MirroredStrategy(Strategy):
         self.ddp_options = {
             "find_unused_parameters": find_unused_parameters,
             "static_graph": static_graph,
-            "forward_sync_buffers": broadcast_buffers,  # torch 2.13's name (its broadcast_buffers is deprecated)
+            DDP_BUFFER_SYNC: broadcast_buffers,
         }
         self.sync_batchnorm = sync_batchnorm
         self._device = local_device(self.cluster.local_rank)
@@ -168,7 +169,7 @@ class MirroredStrategy(Strategy):
         the checkpoint holds those too, so a resumed run equals one that went on."""
         with self._guard():
             for ddp in self._ddp:
-                if ddp.forward_sync_buffers:
+                if ddp_syncs_buffers(ddp):
                     for buffer in ddp.module.buffers():
                         comm.broadcast(buffer, 0)
         return super().save(directory, **options)

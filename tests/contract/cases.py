@@ -275,7 +275,7 @@ def save_reference(directory: Path) -> dict[str, torch.Tensor]:
     """The checkpoint every strategy restores: one SGD step on OneDevice, momentum included."""
     strategy = loom.OneDeviceStrategy()
     model, opt = strategy.prepare(mlp(), sgd)
-    x, y = data()[:GLOBAL_BATCH]
+    x, y = (t.to(strategy.device) for t in data()[:GLOBAL_BATCH])
     strategy.backward(F.cross_entropy(model(x), y))
     opt.step()
     strategy.save(directory, step=1, model=model, optimizer=opt)
