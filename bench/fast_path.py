@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.peers.run import launch, missing  # noqa: E402
 from bench.workloads import RESULTS, WORKLOADS, endless, machine, save  # noqa: E402
-from loom.strategies import fast_path  # noqa: E402
+from loom.fast import fast_path  # noqa: E402
 
 TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table: used when TF is missing
 TF_STEPS = {"W1": 20, "W2": 10}

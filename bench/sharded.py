@@ -14,7 +14,7 @@ model and taking the steps is measured and compared with it. Peaks are taken wit
 mmap threshold fixed at 1 MiB, so freed tensors leave the resident size.
 
 "Raw fully_shard" is FSDP2 as its tutorial writes it, with gloo's own reduce-scatter; Sharded
-reduce-scatters by all-to-all on gloo (loom/strategies/fsdp_comms.py).
+reduce-scatters by all-to-all on gloo (loom/strategies/model_parallel/fsdp_comms.py).
 
     python bench/sharded.py [--replicas 2 4] [--steps 5] [--budget-mb 256]
 """
@@ -139,7 +139,7 @@ def worker(out: str, steps: int) -> None:
 
 def collectives(model: tuple[int, int]) -> dict[str, float]:
     """Milliseconds of each collective on the fits model's parameters: what one step of each strategy moves."""
-    from loom.strategies.fsdp_comms import AllToAllReduceScatter
+    from loom.strategies.model_parallel.fsdp_comms import AllToAllReduceScatter
 
     reduce_scatter = AllToAllReduceScatter()
     blocks, width = model

@@ -62,7 +62,7 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from bench.workloads import small_cnn
-    from loom.strategies import fast_path
+    from loom.fast import fast_path
 
     torch.set_num_threads(threads)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))

@@ -8,25 +8,25 @@ from typing import TYPE_CHECKING, Any
 
 from loom.cluster import TorchrunEnvironment
 from loom.strategies.base import Strategy, unwrap
-from loom.strategies.local_sgd import DiLoCoStrategy, LocalSGDStrategy
-from loom.strategies.mesh import Mesh
-from loom.strategies.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
-from loom.strategies.one_device import OneDeviceStrategy
+from loom.strategies.data_parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
+from loom.strategies.model_parallel.mesh import Mesh
+from loom.strategies.data_parallel.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
+from loom.strategies.data_parallel.one_device import OneDeviceStrategy
 from loom.strategies.parameter_server import ParameterServerStrategy
-from loom.strategies.pipeline import PipelineStrategy
+from loom.strategies.model_parallel.pipeline.strategy import PipelineStrategy
 from loom.strategies.xla import TPUStrategy  # imports JAX only when one is created
 
 if TYPE_CHECKING:
-    from loom.strategies.hybrid import HybridStrategy
-    from loom.strategies.sharded import ShardedStrategy
-    from loom.strategies.tensor_parallel import TensorParallelStrategy
+    from loom.strategies.model_parallel.hybrid import HybridStrategy
+    from loom.strategies.model_parallel.sharded import ShardedStrategy
+    from loom.strategies.model_parallel.tensor_parallel import TensorParallelStrategy
 
 # The strategies built on DTensor and FSDP2 load on first use: importing those costs about a
 # second of CPU, which every launcher and every data-parallel or parameter-server process would pay.
 ON_FIRST_USE = {
-    "ShardedStrategy": "loom.strategies.sharded",
-    "TensorParallelStrategy": "loom.strategies.tensor_parallel",
-    "HybridStrategy": "loom.strategies.hybrid",
+    "ShardedStrategy": "loom.strategies.model_parallel.sharded",
+    "TensorParallelStrategy": "loom.strategies.model_parallel.tensor_parallel",
+    "HybridStrategy": "loom.strategies.model_parallel.hybrid",
 }
 
 

@@ -33,7 +33,7 @@ from loom import comm
 from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
-from loom.strategies.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
+from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
@@ -128,7 +128,7 @@ class Strategy(ABC):
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
         ``fast_path=True`` times channels_last, pool_before_relu, torch.compile and reuse_memory against eager on
         ``example_input`` (one batch of this replica's inputs), keeps the fastest that computes
-        the same, and says which in one line (``loom.strategies.fast_path``).
+        the same, and says which in one line (``loom.fast.fast_path``).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import loom
 from loom.comm.compression import PowerSGD, choose_compression
-from loom.strategies.mirrored import auto_bucket_cap_mb
+from loom.strategies.data_parallel.mirrored import auto_bucket_cap_mb
 from tests.helpers import run_ranks
 
 pytestmark = pytest.mark.xdist_group("compression")  # its tests share one launched job

@@ -6,7 +6,7 @@ import pytest
 
 import loom
 from loom.errors import ClusterError
-from loom.strategies.mesh import Mesh
+from loom.strategies.model_parallel.mesh import Mesh
 
 
 def test_degrees_multiply_to_the_world_and_minus_one_takes_the_rest():

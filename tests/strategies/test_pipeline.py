@@ -17,9 +17,9 @@ from torch import nn
 
 import loom
 from examples.gpt_model import GPT, GPTConfig
-from loom.strategies.pipeline import PipelineModule, PipelineStep
-from loom.strategies.pipeline_runner import PipelineRunner, ScheduledStage, _header, stage_owners
-from loom.strategies.pipeline_split import LastStage, build_stage, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
+from loom.strategies.model_parallel.pipeline.strategy import PipelineModule, PipelineStep
+from loom.strategies.model_parallel.pipeline.runner import PipelineRunner, ScheduledStage, _header, stage_owners
+from loom.strategies.model_parallel.pipeline.split import LastStage, build_stage, check_untied, describe, find_layers, owned_tensors, split_bounds, time_costs
 from loom.strategies.precision import Precision
 from tests.scripts.pipeline_job import NanoGPT
 from tests.helpers import SCRIPTS, loom_run
@@ -448,7 +448,7 @@ def test_hybrid_hands_tensor_parallelism_the_uncompiled_model(monkeypatch):
     """``prepare(torch.compile(model))`` with pp and tp: the plan names the model's layers, not ``_orig_mod.``'s."""
     hybrid = object.__new__(loom.HybridStrategy)
     given = []
-    monkeypatch.setattr("loom.strategies.hybrid.broadcast_states", lambda model, device: None)
+    monkeypatch.setattr("loom.strategies.model_parallel.hybrid.broadcast_states", lambda model, device: None)
     hybrid._announce = lambda: None
     hybrid._device = torch.device("cpu")
     hybrid._pipeline = SimpleNamespace(prepare=lambda model: SimpleNamespace(runner=SimpleNamespace(modules={})))

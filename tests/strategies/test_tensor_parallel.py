@@ -17,8 +17,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 import loom
 from examples.gpt_model import GPT
-from loom.strategies import mesh
-from loom.strategies.tensor_parallel import default_plan, resolve_plan
+from loom.strategies.model_parallel import mesh
+from loom.strategies.model_parallel.tensor_parallel import default_plan, resolve_plan
 from tests.helpers import run_ranks
 from tests.scripts import tp_gpt
 

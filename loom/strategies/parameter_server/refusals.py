@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from loom.strategies.sync_batchnorm import first_batchnorm
+from loom.strategies.data_parallel.sync_batchnorm import first_batchnorm
 
 
 def refuse_batchnorm(model: nn.Module) -> None:

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from loom.data import DistributedLoader, Pipeline
 from loom.data.sharding import check_global_batch
 from loom.strategies.base import Strategy, unwrap
-from loom.strategies.fast_path import refuse as refuse_fast_path
+from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
 from loom.strategies.xla.mesh import build_mesh

@@ -5,9 +5,9 @@ composes the parallelisms in one order, torchtitan's:
 
 1. pipeline split (``pp``): each pipeline position keeps its stage of the layers;
 2. tensor parallel (``tp``): the stage's Linear pairs, embeddings and output layer split
-   (``loom.strategies.tensor_parallel``);
+   (``loom.strategies.model_parallel.tensor_parallel``);
 3. activation checkpointing, then ``torch.compile``, each per block (optional);
-4. FSDP over the data-parallel axes (``loom.strategies.sharded.shard_model``): ``dp_shard``
+4. FSDP over the data-parallel axes (``loom.strategies.model_parallel.sharded.shard_model``): ``dp_shard``
    shards parameters, gradients and optimizer state; ``dp`` replicates them (HSDP when both).
 
 Every process of one replica (same ``dp``/``dp_shard`` position) reads the same batch. Before
@@ -27,14 +27,14 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from loom.strategies.base import unwrap
-from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.fast_path import refuse as refuse_fast_path
-from loom.strategies.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
+from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
+from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.model_parallel.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
 from loom.strategies.optimizer import StrategyOptimizer
-from loom.strategies.pipeline import EAGER_REFUSAL, PipelineStep, PipelineStrategy
-from loom.strategies.sharded import blocks, shard_model
+from loom.strategies.model_parallel.pipeline.strategy import EAGER_REFUSAL, PipelineStep, PipelineStrategy
+from loom.strategies.model_parallel.sharded import blocks, shard_model
 from loom.strategies.step import TrainStep
-from loom.strategies.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize, uncompiled
+from loom.strategies.model_parallel.tensor_parallel import Plan, default_plan, resolve_plan, tensor_parallelize, uncompiled
 
 
 # torch.compile of the whole model around FSDP's hooks fails in torch's tracer ("Mixing fake modes").
@@ -55,7 +55,7 @@ class HybridStrategy(MeshStrategy):
         microbatches, schedule, split_points: the pipeline's, with a ``pp`` axis (see
             ``PipelineStrategy``); there ``train_step`` runs the schedule and the eager loop refuses.
         activation_checkpointing: recompute each block's activations in backward instead of
-            keeping them (blocks as ``loom.strategies.sharded.blocks`` finds them; with a ``pp``
+            keeping them (blocks as ``loom.strategies.model_parallel.sharded.blocks`` finds them; with a ``pp``
             axis, each of the stage's blocks; the whole model or stage when it has none).
         compile: ``torch.compile`` each block: True with inductor, or the name of another
             backend (``"aot_eager"``: traced and differentiated ahead of time, no code generated).

@@ -21,7 +21,7 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
   its own order, and ``torch.jit.script`` compiles it as a plain ``nn.Sequential``;
 - ``"pool_kernel"``: an ``nn.MaxPool2d`` whose windows tile a channels_last CPU input pools it
   with kernels that store each window's choice in a byte instead of eager's int64 index and write
-  the input gradient in one pass (``loom.strategies.window_max_pool``); bit for bit eager's. Its
+  the input gradient in one pass (``loom.fast.window_max_pool``); bit for bit eager's. Its
   kernels are compiled by ``torch.compile`` on first use (seconds, once per input shape). Only
   the pool's class changes, to ``WindowMaxPool2d``;
 - ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from loom import compat
-from loom.strategies import window_max_pool
+from loom.fast import window_max_pool
 
 CANDIDATES = ("channels_last", "pool_before_relu", "pool_kernel", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine

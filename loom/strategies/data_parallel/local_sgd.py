@@ -56,9 +56,9 @@ from torch import nn
 
 from loom import comm
 from loom.strategies.base import OptimizerFactory, unwrap
-from loom.strategies.local_sgd_comms import InFlight, average
-from loom.strategies.local_sgd_state import REPLICA_SUFFIX, SHARED_SUFFIX, Absent, ReplicaState, SharedState, agreed
-from loom.strategies.mirrored import MultiWorkerMirroredStrategy
+from loom.strategies.data_parallel.local_sgd_comms import InFlight, average
+from loom.strategies.data_parallel.local_sgd_state import REPLICA_SUFFIX, SHARED_SUFFIX, Absent, ReplicaState, SharedState, agreed
+from loom.strategies.data_parallel.mirrored import MultiWorkerMirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer, inner_optimizer
 
 

@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from loom.compat import compiled_module_type
-from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.mesh import MeshStrategy, broadcast_states
+from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
+from loom.strategies.model_parallel.mesh import MeshStrategy, broadcast_states
 
 # The styles a plan names. "output" is column-wise with its outputs gathered (a model's last
 # layer, whose logits the loss needs whole); "embedding" splits an nn.Embedding's rows.

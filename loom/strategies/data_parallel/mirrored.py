@@ -25,7 +25,7 @@ from loom.comm.compression import Compression, PowerSGD, check_compression, choo
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
-from loom.strategies.sync_batchnorm import convert_sync_batchnorm
+from loom.strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm
 
 
 class MirroredStrategy(Strategy):

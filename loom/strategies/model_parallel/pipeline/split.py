@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from loom.strategies.outputs import map_outputs
-from loom.strategies.sync_batchnorm import first_batchnorm
+from loom.strategies.data_parallel.sync_batchnorm import first_batchnorm
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import loom
-from loom.strategies import fast_path, window_max_pool
-from loom.strategies.window_max_pool import WindowMaxPool2d
+from loom.fast import fast_path, window_max_pool
+from loom.fast.window_max_pool import WindowMaxPool2d
 
 @pytest.fixture(autouse=True)
 def fresh_budget(monkeypatch):

@@ -1,6 +1,6 @@
 """What a local SGD or DiLoCo checkpoint holds beside the model: each replica's own state, and what they hold alike.
 
-``loom.strategies.local_sgd`` says what a save writes and how a restore reads it.
+``loom.strategies.data_parallel.local_sgd`` says what a save writes and how a restore reads it.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from loom.strategies.local_sgd_comms import InFlight, average
+from loom.strategies.data_parallel.local_sgd_comms import InFlight, average
 
 if TYPE_CHECKING:
-    from loom.strategies.local_sgd import Replicas
+    from loom.strategies.data_parallel.local_sgd import Replicas
 
 SHARED_SUFFIX = "_local_sgd"  # beside a model: what its replicas hold alike (the period, DiLoCo's outer state)
 REPLICA_SUFFIX = "_replica"  # + the replica's index: what is its own (its parameters while apart, its optimizer state)

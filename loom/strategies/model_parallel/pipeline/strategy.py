@@ -2,7 +2,7 @@
 
 Built on ``torch.distributed.pipelining``: its stages and schedules (GPipe, 1F1B, interleaved
 1F1B, zero bubble) run each batch as micro-batches flowing through the stages. The split is
-automatic (``loom.strategies.pipeline_split``), and a process keeps only its stage: the other
+automatic (``loom.strategies.model_parallel.pipeline.split``), and a process keeps only its stage: the other
 stages' weights in the module it was given are released (meta tensors).
 
 Every process of the pipeline reads the same global batch: the first stage feeds the inputs,
@@ -32,12 +32,12 @@ from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies.base import Strategy, unwrap
-from loom.strategies.fast_path import refuse as refuse_fast_path
-from loom.strategies.mesh import broadcast_states
+from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.model_parallel.mesh import broadcast_states
 from loom.strategies.optimizer import StrategyOptimizer
-from loom.strategies.pipeline_runner import SCHEDULES, PipelineRunner
-from loom.strategies.pipeline_state import held_tensors, named_groups, stage_view
-from loom.strategies.pipeline_split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
+from loom.strategies.model_parallel.pipeline.runner import SCHEDULES, PipelineRunner
+from loom.strategies.model_parallel.pipeline.state import held_tensors, named_groups, stage_view
+from loom.strategies.model_parallel.pipeline.split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
 from loom.strategies.precision import AutocastModule
 from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
 

@@ -35,12 +35,12 @@ from loom.compat import BatchNormBase
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
-from loom.strategies.dtensor_norm import clip_grad_norm
-from loom.strategies.fast_path import refuse as refuse_fast_path
-from loom.strategies.fsdp_comms import use_fast_reduce_scatter
-from loom.strategies.mesh import broadcast_states
+from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
+from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.model_parallel.fsdp_comms import use_fast_reduce_scatter
+from loom.strategies.model_parallel.mesh import broadcast_states
 from loom.strategies.precision import DTYPES, Precision
-from loom.strategies.sync_batchnorm import GlooSyncBatchNorm, convert_sync_batchnorm
+from loom.strategies.data_parallel.sync_batchnorm import GlooSyncBatchNorm, convert_sync_batchnorm
 
 Init = Callable[[nn.Module], None]
 OFFLOAD_ON_CPU = "offload=True keeps the shards in CPU memory between uses, but this job already computes on the CPU; drop offload"
@@ -238,7 +238,7 @@ class ShardedStrategy(Strategy):
     Args:
         wrap: module classes that are each one unit of sharding, e.g. ``wrap=[Block]``;
             default: the entries of the model's biggest list of repeated blocks
-            (``loom.strategies.sharded.blocks``).
+            (``loom.strategies.model_parallel.sharded.blocks``).
         reshard_after_forward: free each block's gathered parameters after its forward
             (gather again for backward); False keeps them until backward: faster, more memory.
         precision: ``"32"``, ``"bf16-mixed"`` or ``"16-mixed"``: parameters cast to bf16

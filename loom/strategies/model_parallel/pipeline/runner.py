@@ -14,7 +14,7 @@ from torch import nn
 
 from loom.compat import compile_like
 from loom.strategies.outputs import map_outputs, model_loss
-from loom.strategies.pipeline_split import Layers, LastStage, build_stage, tensors_in, to_meta
+from loom.strategies.model_parallel.pipeline.split import Layers, LastStage, build_stage, tensors_in, to_meta
 from loom.strategies.precision import Precision
 from loom.strategies.step import _detached, batch_len, slice_batch
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import loom
-from loom.strategies import fast_path
+from loom.fast import fast_path
 
 
 def convnet() -> nn.Module:
