@@ -2,7 +2,7 @@
 
 Every strategy runs every case once (``conftest.py``); a failing case fails only its own tests.
 What a strategy cannot run exactly it refuses in one line, and ``REFUSED`` checks that line
-(README's strategy table lists the same).
+(the refusal table in docs/contract.md lists the same).
 """
 
 from __future__ import annotations
@@ -241,8 +241,8 @@ def test_the_users_own_module_saves_with_the_models_keys(contract_results, strat
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_restore_of_an_empty_or_missing_directory_changes_nothing(contract_results, strategy):
-    """README's start-of-run ``strategy.restore(dir)``: None, the optimizer, scheduler and data position
-    untouched, and the training that follows is the one without the call."""
+    """The start-of-run ``strategy.restore(dir)`` of docs/checkpoints.md: None, the optimizer, scheduler
+    and data position untouched, and the training that follows is the one without the call."""
     replicas = result(contract_results, strategy, "restore_of_nothing")
     if strategy in LOCAL:
         expected = simulate(strategy, "adamw_weight_decay")
