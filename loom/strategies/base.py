@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
+from loom.strategies import cross_replica
+from loom.strategies.cross_replica import Number
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
@@ -43,7 +45,6 @@ if TYPE_CHECKING:
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 2)": the chief ends the job's first line with it
-Number = TypeVar("Number", int, float)
 
 
 class Strategy(ABC):
@@ -329,25 +330,15 @@ class Strategy(ABC):
 
         ``op`` is one of ``loom.comm``'s: sum, mean, max, min, product.
         """
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-            if op == "mean" and not tensor.is_floating_point():
-                tensor = tensor.double()
-        elif isinstance(value, (int, float)):
-            tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        else:
-            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-        with self._guard():
-            comm.all_reduce(tensor, op, group=self._replica_group)
-        if isinstance(value, torch.Tensor):
-            return tensor
-        result = tensor.item()
-        return int(result) if isinstance(value, int) and op != "mean" else result
+        return cross_replica.reduce(value, op, self._transport(), self.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every replica's ``tensor`` concatenated along dim 0 in replica order (sizes may differ)."""
-        with self._guard():
-            return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor, group=self._replica_group)
+        return cross_replica.gather(tensor, self._transport())
+
+    def _transport(self) -> cross_replica.Transport:
+        """How this strategy's replicas meet for ``reduce`` and ``gather``: their process group."""
+        return cross_replica.GroupTransport(self._replica_group, self._guard)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the chief only, flushed: one line per job, not one per replica."""

@@ -26,7 +26,7 @@ from torch import nn
 
 from loom.comm import preemption
 from loom.errors import LoomError
-from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
+from loom.strategies.base import OptimizerFactory, Strategy, unwrap
 from loom.strategies.parameter_server.checkpoints import mirror, plain_state, pull_all, write_back
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.collectives import Collectives
@@ -496,25 +496,10 @@ class ParameterServerStrategy(Strategy):
             report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
-    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
-        """Combine a tensor or a number over every worker still in the job, met at server 0."""
-        if op not in ("sum", "mean", "max", "min", "product"):
-            raise ValueError(f"unknown reduce op {op!r}; use one of sum, mean, max, min, product")
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            tensor = tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
-        elif isinstance(value, (int, float)):
-            tensor = torch.tensor(float(value), dtype=torch.float64)
-        else:
-            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-        result = self._collectives().run(op, tensor)
-        if isinstance(value, torch.Tensor):
-            return result.to(tensor.dtype)
-        return int(result.item()) if isinstance(value, int) and op != "mean" else result.item()
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every worker's ``tensor`` concatenated along dim 0 in worker order (sizes may differ)."""
-        return self._collectives().run("gather", tensor.reshape(1) if tensor.dim() == 0 else tensor)
+    def _transport(self) -> Collectives:
+        """Workers share no process group: ``reduce`` and ``gather`` meet at server 0, over every
+        worker still in the job, in worker order."""
+        return self._collectives()
 
     def barrier(self) -> None:
         """Wait until every worker still in the job gets here."""

@@ -31,6 +31,7 @@ from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
+from loom.strategies import cross_replica
 from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.model_parallel.mesh import broadcast_states
@@ -302,23 +303,9 @@ class PipelineStrategy(Strategy):
         return staged
 
     # ---- cross-replica values: over the dp axis only ----------------------------------------
-    def reduce(self, value: Any, op: str = "mean") -> Any:
-        if self.dp_group is not None:
-            return _reduce_over(value, op, self.dp_group, self._device)
-        comm.collectives._op(op)  # a wrong op name still fails
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-            return tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
-        if isinstance(value, (int, float)):
-            return float(value) if op == "mean" else value
-        raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        if self.dp_group is None:
-            return tensor.clone()
-        with self._guard():
-            return comm.all_gather(tensor, self.dp_group)
+    def _transport(self) -> cross_replica.Transport:
+        """The pipelines replicated over ``dp_group``; one pipeline is one replica."""
+        return cross_replica.GroupTransport(self.dp_group, self._guard) if self.dp_group is not None else cross_replica.Alone()
 
 
 class PipelineModule(AutocastModule):
@@ -432,14 +419,3 @@ def _release(model: nn.Module, owned: dict[str, torch.Tensor]) -> None:
                 if tensor is not None and id(tensor) not in keep and not tensor.is_meta:
                     meta = tensor.to("meta")
                     store[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-
-
-def _reduce_over(value: Any, op: str, group: dist.ProcessGroup, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().clone()
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()
-        return comm.all_reduce(tensor, op, group)
-    tensor = comm.all_reduce(torch.tensor(float(value), dtype=torch.float64, device=device), op, group)
-    result = tensor.item()
-    return int(result) if isinstance(value, int) and op != "mean" else result
