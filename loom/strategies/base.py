@@ -36,7 +36,7 @@ from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
 from loom.strategies import cross_replica
 from loom.strategies.cross_replica import Number
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.optimizer import StrategyOptimizer, check_owned
 from loom.strategies.precision import AutocastModule, Precision
 from loom.strategies.step import LossFn, TrainStep
 
@@ -156,12 +156,7 @@ class Strategy(ABC):
             return wrapped
         if isinstance(optimizer, torch.optim.Optimizer):
             inner = optimizer
-            owned = {id(p) for p in module.parameters()}
-            if not all(id(p) in owned for g in inner.param_groups for p in g["params"]):
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's "
-                    "parameters, or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
+            check_owned(inner, module.parameters())
         elif callable(optimizer):
             inner = optimizer(module.parameters())
             if not isinstance(inner, torch.optim.Optimizer):

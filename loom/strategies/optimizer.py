@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -97,3 +97,14 @@ class StrategyOptimizer(torch.optim.Optimizer):
 def inner_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The user's optimizer, from loom's wrapper or as it is."""
     return optimizer.optimizer if isinstance(optimizer, StrategyOptimizer) else optimizer
+
+
+def check_owned(optimizer: torch.optim.Optimizer, parameters: Iterable[torch.Tensor]) -> None:
+    """Refuse an optimizer built on other tensors than the model's ``parameters``: it would step
+    tensors the strategy never syncs (nor places, shards or splits)."""
+    owned = {id(p) for p in parameters}
+    if not all(id(p) in owned for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError(
+            "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
+            "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
+        )

@@ -33,6 +33,7 @@ from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
+from loom.strategies.optimizer import check_owned
 from loom.strategies.precision import Precision
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
@@ -331,6 +332,8 @@ class ParameterServerStrategy(Strategy):
                 )
         refuse_tied_tables(model, tables)
         refuse_batchnorm(model)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_owned(optimizer, model.parameters())
         names_before = {id(p): n for n, p in model.named_parameters()}  # the tables' weights included
         table_params = {f"{n}.weight" for n in tables}
         shapes = {n: p for n, p in model.named_parameters() if n not in table_params}
@@ -571,16 +574,7 @@ def _plain(value: Any) -> Any:
 
 def _groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
     """Parameter name -> the index of the optimizer's group holding it."""
-    groups = {}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in names:
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's "
-                    "parameters, or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
-            groups[names[id(param)]] = index
-    return groups
+    return {names[id(param)]: index for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
 
 
 def _materialize(model: nn.Module) -> None:

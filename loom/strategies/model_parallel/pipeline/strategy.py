@@ -15,7 +15,6 @@ forward and backward are interleaved by the schedule, so ``backward`` refuses an
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -34,8 +33,9 @@ from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies import cross_replica
 from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.strategies.model_parallel.mesh import broadcast_states
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.optimizer import StrategyOptimizer, check_owned
 from loom.strategies.model_parallel.pipeline.runner import SCHEDULES, PipelineRunner
 from loom.strategies.model_parallel.pipeline.state import held_tensors, named_groups, stage_view
 from loom.strategies.model_parallel.pipeline.split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
@@ -151,12 +151,7 @@ class PipelineStrategy(Strategy):
         self._announce()  # the job's first line, before the split's description
         compiled, model = _compiled(model), unwrap(model)  # torch.compile(model): its stages' blocks are compiled alike
         if isinstance(optimizer, torch.optim.Optimizer):
-            ids = {id(p) for p in model.parameters()}
-            if not all(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
-                    "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
+            check_owned(optimizer, model.parameters())
         if self.dp_group is None and self.group is None:  # Hybrid broadcasts to every replica before it splits
             with self._guard():
                 broadcast_states(model, self._device)  # each stage starts from rank 0's model, whatever each rank seeded
@@ -226,16 +221,8 @@ class PipelineStrategy(Strategy):
 
     def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of every stage's gradients together: the stages' norms combined over the pp group."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
         with self._guard():
-            if math.isinf(norm_type):
-                total = comm.all_reduce(local.clone(), "max", self.group)
-            else:
-                total = comm.all_reduce(local.double() ** norm_type, "sum", self.group) ** (1.0 / norm_type)
-        total = total.to(local.dtype)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+            return clip_grad_norm(params, max_norm, norm_type, (self.group,))
 
     def _average_over_replicas(self, params: list[nn.Parameter]) -> None:
         if self.dp_group is None:
