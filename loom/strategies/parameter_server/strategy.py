@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -33,7 +33,8 @@ from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
-from loom.strategies.optimizer import check_owned
+from loom.compat import leave_step_unwrapped
+from loom.strategies.optimizer import check_owned, share_state
 from loom.strategies.precision import Precision
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
@@ -151,7 +152,9 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         should_step: Any = lambda: True,
         lazy_rows: bool = False,
     ) -> None:
+        super().__init__(inner.param_groups, inner.defaults)  # torch's hook tables and checks
         self.optimizer = inner
+        share_state(self, inner)  # the LR scheduler's changes reach the servers through the user's optimizer
         self.model = model
         self.variables = variables
         self.workers = workers
@@ -164,20 +167,6 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         self.trained = list(self.dense) if trained is None else [n for n in trained if n in self.dense]  # in the optimizer
         self.tables = [m for m in model.modules() if isinstance(m, RemoteEmbedding)]
         self.remote = {m.name: m for m in self.tables if m.trained}
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()  # register_step_pre/post_hook, as on torch's optimizers
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._should_step():
@@ -187,6 +176,10 @@ class ParameterServerOptimizer(torch.optim.Optimizer):
         """The user's optimizer's: its state is the servers' as of the last ``restore`` (they keep the live one)."""
         return self.optimizer.state_dict()
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    @leave_step_unwrapped
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         if not self._should_step():

@@ -298,12 +298,12 @@ class _ForwardStage(nn.Module):
     def _with_list(self, modules: list[nn.Module], call: Callable[[], Any]) -> Any:
         path, _, name = self.list_name.rpartition(".")
         parent = self.model.get_submodule(path)
-        original = parent._modules[name]
-        parent._modules[name] = nn.Sequential(*modules) if isinstance(original, nn.Sequential) else nn.ModuleList(modules)
+        original = parent.get_submodule(name)
+        parent.register_module(name, nn.Sequential(*modules) if isinstance(original, nn.Sequential) else nn.ModuleList(modules))
         try:
             return call()
         finally:
-            parent._modules[name] = original
+            parent.register_module(name, original)
 
 
 class FirstStage(_ForwardStage):

@@ -401,8 +401,8 @@ def _release(model: nn.Module, owned: dict[str, torch.Tensor]) -> None:
     """Every parameter and buffer of ``model`` not in ``owned`` becomes a meta tensor (shapes kept, no memory)."""
     keep = {id(t) for t in owned.values()}
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is not None and id(tensor) not in keep and not tensor.is_meta:
-                    meta = tensor.to("meta")
-                    store[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        own = [*module.named_parameters(recurse=False, remove_duplicate=False), *module.named_buffers(recurse=False, remove_duplicate=False)]
+        for name, tensor in own:
+            if id(tensor) not in keep and not tensor.is_meta:  # setattr keeps a buffer's persistence
+                meta = tensor.to("meta")
+                setattr(module, name, nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta)
