@@ -26,19 +26,18 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Itera
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
-from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
 from loom.strategies import cross_replica
 from loom.strategies.cross_replica import Number
 from loom.strategies.optimizer import StrategyOptimizer, check_owned
-from loom.strategies.precision import AutocastModule, Precision
+from loom.strategies.precision import Precision
 from loom.strategies.step import LossFn, TrainStep
+from loom.strategies.wrappers import SCALER_SUFFIX, scaled_optimizers, unwrap, unwrapped_state  # noqa: F401 - unwrap: imported from here too
 
 if TYPE_CHECKING:
     from loom.checkpoint.checkpointer import Checkpointer
@@ -371,9 +370,9 @@ class Strategy(ABC):
         that does not call it is named within ``LOOM_SAVE_TIMEOUT`` seconds (10).
         """
         peers = self._connection.monitor if self._connection is not None else None
-        scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in _scaled(state).items()}
+        scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in scaled_optimizers(state).items()}
         with self._guard():
-            return self._checkpointer.save(directory, step, {**_unwrapped(state), **scalers}, keep, async_save, durable, peers)
+            return self._checkpointer.save(directory, step, {**unwrapped_state(state), **scalers}, keep, async_save, durable, peers)
 
     def restore(
         self, directory: str | Path, *, fallback: bool = False, strict: bool = True, **state: Any
@@ -388,8 +387,8 @@ class Strategy(ABC):
         """
         peers = self._connection.monitor if self._connection is not None else None
         with self._guard():
-            restored = self._checkpointer.restore(directory, _unwrapped(state), fallback, strict, peers)
-        for name, optimizer in _scaled(state).items():  # an fp32 checkpoint leaves the scaler fresh
+            restored = self._checkpointer.restore(directory, unwrapped_state(state), fallback, strict, peers)
+        for name, optimizer in scaled_optimizers(state).items():  # an fp32 checkpoint leaves the scaler fresh
             saved = restored.pop(f"{name}{SCALER_SUFFIX}", None) if restored else None
             if saved is not None:
                 optimizer.scaler.load_state_dict(saved)
@@ -447,14 +446,8 @@ class Strategy(ABC):
         )
 
 
-WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
-
-
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
-
-
-SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value
 
 
 def _check_cycles_ended(steps: int, micro_steps: int) -> None:
@@ -475,29 +468,3 @@ def _check_cycles_ended(steps: int, micro_steps: int) -> None:
             "still in .grad and join the next update (make the steps per epoch a multiple of it)",
             stacklevel=4,
         )
-
-
-def _scaled(state: dict[str, Any]) -> dict[str, StrategyOptimizer]:
-    """The optimizers whose fp16 gradient scaler belongs in the checkpoint with them."""
-    return {name: v for name, v in state.items() if isinstance(v, StrategyOptimizer) and v.scaler is not None}
-
-
-def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    """The user's own modules and optimizers, so a checkpoint does not depend on the strategy."""
-    return {
-        name: unwrap(v) if isinstance(v, nn.Module) else v.optimizer if isinstance(v, StrategyOptimizer) else v
-        for name, v in state.items()
-    }
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module the user passed to ``prepare``, from whatever wrappers the strategy added.
-
-    Only loom's wrappers and ``torch.compile``'s are peeled: a user's model may well have a
-    submodule named ``module``. Checkpoint keys come from the unwrapped module, so they do
-    not depend on compilation, precision or DDP.
-    """
-    compiled = compiled_module_type()
-    while isinstance(model, WRAPPERS) or (compiled is not None and isinstance(model, compiled)):
-        model = model.module if isinstance(model, WRAPPERS) else model._orig_mod
-    return model
