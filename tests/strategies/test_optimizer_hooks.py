@@ -8,6 +8,7 @@ from torch import nn
 
 import loom
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+from tests.helpers import run_ranks
 from tests.scripts.clicks import Clicks
 from tests.strategies.parameter_server.test_strategy import servers  # noqa: F401 - a fixture
 
@@ -53,3 +54,21 @@ def test_parameter_server_hooks_fire_around_each_push_and_the_scheduler_reaches_
     strategy.shutdown()
     assert seen == [("pre", True), ("post", True)] * 2
     assert lrs == [0.1, 0.05] and opt.optimizer.param_groups[0]["lr"] == 0.025
+
+
+def _local_sgd_hooks():
+    strategy = loom.LocalSGDStrategy(sync_every=2)
+    model, opt = strategy.prepare(nn.Linear(2, 1), lambda p: torch.optim.SGD(p, lr=0.1))
+    seen, scheduler = _hooked(opt), torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        strategy.backward(model(torch.ones(1, 2)).sum())
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    strategy.shutdown()
+    return seen, opt.optimizer.param_groups[0]["lr"]
+
+
+def test_local_sgd_s_optimizer_runs_the_hooks_once_around_each_update():
+    [(seen, lr)] = run_ranks(_local_sgd_hooks, 1, timeout=120)
+    assert seen == [("pre", True), ("post", True)] * 2 and lr == 0.025
