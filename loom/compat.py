@@ -81,6 +81,17 @@ def compiled_module_type() -> type[nn.Module] | None:
     return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
+def compiled_original(compiled: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, from its wrapper (``OptimizedModule._orig_mod``, torch 2.13.0)."""
+    return compiled._orig_mod
+
+
+def child_names(module: nn.Module) -> list[str]:
+    """Every name a submodule is registered under in ``module``, in order, a shared or None one
+    included (``named_children`` leaves those out): ``Module._modules``, torch 2.13.0."""
+    return list(module._modules)
+
+
 def compile_like(compiled: nn.Module, module: nn.Module) -> None:
     """Compile ``module`` in place, as ``Module.compile`` does, with the backend and options that
     made ``compiled`` (a ``torch.compile(m)``): its ``dynamo_ctx`` is torch.compile's settings."""

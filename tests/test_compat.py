@@ -240,3 +240,13 @@ def test_a_step_marked_unwrapped_is_left_alone_by_optimizer_init_and_its_update_
     opt.defaults["acts"] = True
     opt.step()
     assert Wrapped.step is step and seen == ["pre", "update", "post"]
+
+
+def test_compiled_original_and_child_names_read_the_modules_loom_expects():
+    net = nn.Sequential(nn.Linear(2, 2))
+    shared = nn.ReLU()
+    net.add_module("a", shared)
+    net.add_module("b", shared)
+    net.add_module("gone", None)
+    assert compat.compiled_original(torch.compile(net, backend="eager")) is net
+    assert compat.child_names(net) == ["0", "a", "b", "gone"]  # named_children gives ["0", "a"]

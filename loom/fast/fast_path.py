@@ -334,7 +334,7 @@ def _relu_pools(module: nn.Module) -> list[nn.Sequential]:
 
 
 def _has_pairs(container: nn.Sequential) -> bool:
-    modules = list(container._modules.values())
+    modules = list(container)
     return any(_swappable(a, b) for a, b in zip(modules, modules[1:]))
 
 
@@ -358,7 +358,7 @@ class PoolBeforeReluSequential(nn.Sequential):
     or hooked since runs in its own order."""
 
     def forward(self, input: Any) -> Any:
-        modules = list(self._modules.values())
+        modules = list(self)
         i = 0
         while i < len(modules):
             if i + 1 < len(modules) and _swappable(modules[i], modules[i + 1]):

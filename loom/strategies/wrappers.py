@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from loom.compat import compiled_module_type
+from loom.compat import compiled_module_type, compiled_original
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import AutocastModule
 
@@ -43,5 +43,5 @@ def unwrap(model: nn.Module) -> nn.Module:
     """
     compiled = compiled_module_type()
     while isinstance(model, WRAPPERS) or (compiled is not None and isinstance(model, compiled)):
-        model = model.module if isinstance(model, WRAPPERS) else model._orig_mod
+        model = model.module if isinstance(model, WRAPPERS) else compiled_original(model)
     return model

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from loom.compat import child_names
 from loom.strategies.outputs import map_outputs
 from loom.strategies.data_parallel.sync_batchnorm import first_batchnorm
 
@@ -105,11 +106,11 @@ def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
     after: list[str] = []
     parent, prefix = model, ""
     for part in path.split("."):
-        children = list(parent._modules)
+        children = child_names(parent)
         at = children.index(part)
         before += [prefix + name for name in children[:at]]
         after = [prefix + name for name in children[at + 1 :]] + after
-        parent, prefix = parent._modules[part], f"{prefix}{part}."
+        parent, prefix = parent.get_submodule(part), f"{prefix}{part}."
     return before, after
 
 

@@ -42,9 +42,9 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _container(root: nn.Module, path: str) -> nn.Module:
     module = root
     for part in path.split(".") if path else []:
-        if part not in module._modules:
+        if part not in dict(module.named_children()):
             module.add_module(part, nn.Module())
-        module = module._modules[part]  # type: ignore[assignment]
+        module = module.get_submodule(part)
     return module
 
 

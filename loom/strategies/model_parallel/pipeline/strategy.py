@@ -26,7 +26,7 @@ from torch import nn
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
-from loom.compat import compiled_module_type
+from loom.compat import compiled_module_type, compiled_original
 from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
@@ -209,7 +209,7 @@ class PipelineStrategy(Strategy):
         """What ``prepare`` returned, from ``model``: that, or ``torch.compile`` of it (whose settings
         then compile the stages' blocks: the schedule runs them, not the model's forward)."""
         compiled = _compiled(model)
-        stages = compiled._orig_mod if compiled is not None else model
+        stages = compiled_original(compiled) if compiled is not None else model
         if not isinstance(stages, PipelineModule) or stages.strategy is not self:
             raise TypeError(f"{type(self).__name__}.train_step takes the model this strategy's prepare() returned")
         if compiled is not None:
