@@ -81,6 +81,17 @@ def compiled_module_type() -> type[nn.Module] | None:
     return getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
 
 
+def compiled_original(compiled: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, from its wrapper (``OptimizedModule._orig_mod``, torch 2.13.0)."""
+    return compiled._orig_mod
+
+
+def child_names(module: nn.Module) -> list[str]:
+    """Every name a submodule is registered under in ``module``, in order, a shared or None one
+    included (``named_children`` leaves those out): ``Module._modules``, torch 2.13.0."""
+    return list(module._modules)
+
+
 def compile_like(compiled: nn.Module, module: nn.Module) -> None:
     """Compile ``module`` in place, as ``Module.compile`` does, with the backend and options that
     made ``compiled`` (a ``torch.compile(m)``): its ``dynamo_ctx`` is torch.compile's settings."""
@@ -253,3 +264,70 @@ DDP_BUFFER_SYNC = "forward_sync_buffers" if _ddp_takes("forward_sync_buffers") e
 def ddp_syncs_buffers(ddp: nn.parallel.DistributedDataParallel) -> bool:
     """Whether ``ddp`` hands replica 0's buffers to every replica, under either torch's name."""
     return bool(getattr(ddp, DDP_BUFFER_SYNC))
+
+
+# ---- checked against torch 2.13.0 (each has its check in tests/test_compat.py) -------------------
+def ddp_backward_syncs(ddp: nn.parallel.DistributedDataParallel) -> bool:
+    """Whether ``ddp``'s next backward all-reduces (DDP's ``require_backward_grad_sync``)."""
+    return bool(ddp.require_backward_grad_sync)
+
+
+def set_ddp_backward_sync(ddp: nn.parallel.DistributedDataParallel, enabled: bool) -> None:
+    """Have ``ddp``'s next backward all-reduce or accumulate locally, as ``no_sync()`` does inside its
+    block; decided before the forward pass (DDP reads it there). Torch 2.13.0."""
+    ddp.require_backward_grad_sync = enabled
+
+
+def lay_out_ddp_buckets(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Make ``ddp``'s gradient bucket layout now, as its first backward would (torch 2.13.0's reducer)."""
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers that stay out of its state dict (torch 2.13.0)."""
+    return set(module._non_persistent_buffers_set)
+
+
+def swap_class(module: nn.Module, cls: type[nn.Module]) -> None:
+    """Give ``module`` the class ``cls`` in place: a subclass of its class that adds a ``forward`` and
+    no state, or back. The module keeps its identity, parameters, hooks and state-dict keys, so a
+    user holding it sees the same object; torch 2.13.0's ``nn.Module`` keeps all of it in ``__dict__``."""
+    if not (issubclass(cls, type(module)) or issubclass(type(module), cls)):
+        raise TypeError(f"swap_class gives a module a subclass of its class or takes one back, not {type(module).__name__} -> {cls.__name__}")
+    module.__class__ = cls
+
+
+def pair(value: Any) -> tuple[Any, Any]:
+    """A pooling option as (height, width), as ``nn.MaxPool2d`` reads it (``nn.modules.utils._pair``, torch 2.13.0)."""
+    from torch.nn.modules.utils import _pair
+
+    return _pair(value)
+
+
+def dynamo_recompile_limit() -> int:
+    """Compiled variants dynamo keeps per function before it runs the Python instead (torch 2.13.0)."""
+    import torch._dynamo.config
+
+    return torch._dynamo.config.recompile_limit
+
+
+def inside_functorch_transform() -> bool:
+    """Whether this call runs under a ``torch.func`` transform (vmap, grad...): torch 2.13.0's interpreter stack."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def torchax_convolution() -> Callable[..., Any]:
+    """torchax's lowering of ``aten.convolution`` to JAX (``torchax.ops.jaten._aten_convolution``, the
+    pinned torchax under torch 2.13.0), for loom's autocast-aware override."""
+    from torchax.ops.jaten import _aten_convolution
+
+    return _aten_convolution
+
+
+def leave_step_unwrapped(step: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark an ``Optimizer`` subclass's ``step`` so that ``Optimizer.__init__`` does not wrap it in the
+    step hooks (torch 2.13.0 skips a ``step`` whose ``hooked`` is set): its own update runs them,
+    through ``Optimizer.profile_hook_step``, only when it updates."""
+    step.hooked = True  # type: ignore[attr-defined]
+    return step

@@ -6,7 +6,9 @@ each start one thread per core fight over the cores. Each process gets ``cores /
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import torch
 
@@ -57,12 +59,39 @@ def thread_budget(local_processes: int, cores: int | None = None) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def apply_thread_budget(local_processes: int) -> int:
-    """Set torch's thread count in this process; ``LOOM_THREADS`` (the --threads flag) wins."""
-    override = os.environ.get(THREADS_ENV)
-    threads = int(override) if override else thread_budget(local_processes)
+def apply_thread_budget(local_processes: int) -> int | None:
+    """Set torch's intra-op thread count to this process's share of the cores, where loom may.
+
+    The count is process-wide state, so a strategy sets it only in a process loom owns, started
+    by ``loom run`` or ``loom.launch`` (whose ``--threads`` flag, else cores / local processes,
+    arrives as ``LOOM_THREADS``), or where the user asks by setting ``LOOM_THREADS`` (a number,
+    or ``auto`` for cores / local processes). Any other process (plain torchrun, a notebook)
+    keeps its own, and is told once if its threads oversubscribe the cores. Returns the count
+    set, or None.
+    """
+    asked = os.environ.get(THREADS_ENV, "")
+    if not asked:
+        _warn_if_oversubscribed(local_processes, torch.get_num_threads(), available_cores())
+        return None
+    if asked == "auto":
+        threads = thread_budget(local_processes)
+    elif asked.isdigit() and int(asked) > 0:
+        threads = int(asked)
+    else:
+        raise LaunchError(f"{THREADS_ENV}={asked!r} is not a number of threads: use a positive number, or 'auto' for cores / local processes")
     torch.set_num_threads(threads)
     return threads
+
+
+@functools.cache  # once per process and figures
+def _warn_if_oversubscribed(local_processes: int, threads: int, cores: int) -> None:
+    if threads * local_processes > cores:
+        warnings.warn(
+            f"loom: {local_processes} processes on this machine with {threads} threads each oversubscribe its {cores} "
+            f"cores, and loom leaves torch's thread count to the process that owns it: set {THREADS_ENV}=auto (or "
+            f"OMP_NUM_THREADS={thread_budget(local_processes, cores)}), or start the job with `loom run`",
+            stacklevel=3,
+        )
 
 
 def local_device(local_rank: int) -> torch.device:

@@ -166,3 +166,87 @@ def test_ddp_buffer_sync_option_is_the_one_this_torch_takes():
     import inspect
 
     assert compat.DDP_BUFFER_SYNC in inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+
+
+def test_ddp_backward_sync_flag_and_bucket_layout_are_the_ones_ddp_reads():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Linear(2, 2))
+        compat.lay_out_ddp_buckets(ddp)
+        compat.set_ddp_backward_sync(ddp, False)
+        assert not compat.ddp_backward_syncs(ddp)
+        with ddp.no_sync():  # torch's own switch sets the same flag
+            assert not compat.ddp_backward_syncs(ddp)
+        compat.set_ddp_backward_sync(ddp, True)
+        with ddp.no_sync():
+            assert not compat.ddp_backward_syncs(ddp)
+        assert compat.ddp_backward_syncs(ddp)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_non_persistent_buffers_are_the_ones_left_out_of_the_state_dict():
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(1))
+    module.register_buffer("scratch", torch.zeros(1), persistent=False)
+    assert compat.non_persistent_buffers(module) == {"scratch"} and list(module.state_dict()) == ["kept"]
+
+
+def test_swap_class_keeps_the_module_and_refuses_an_unrelated_class():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer, x = nn.Linear(2, 2), torch.ones(1, 2)
+    layer.register_forward_hook(lambda m, i, o: None)
+    keys = list(layer.state_dict())
+    compat.swap_class(layer, Doubled)
+    assert type(layer) is Doubled and torch.allclose(layer(x), 2 * nn.functional.linear(x, layer.weight, layer.bias))
+    compat.swap_class(layer, nn.Linear)
+    assert type(layer) is nn.Linear and list(layer.state_dict()) == keys and layer._forward_hooks
+    with pytest.raises(TypeError, match="swap_class gives a module a subclass of its class or takes one back, not Linear -> ReLU"):
+        compat.swap_class(layer, nn.ReLU)
+
+
+def test_pooling_options_dynamo_limit_and_functorch_stack_read_as_loom_expects():
+    assert compat.pair(3) == (3, 3) and compat.pair((2, 1)) == (2, 1)
+    assert isinstance(compat.dynamo_recompile_limit(), int) and compat.dynamo_recompile_limit() > 0
+    seen = []
+    torch.func.vmap(lambda t: seen.append(compat.inside_functorch_transform()) or t)(torch.ones(2))
+    assert seen == [True] and not compat.inside_functorch_transform()
+
+
+def test_torchax_has_the_convolution_lowering_loom_overrides():
+    code = "import loom.compat as c, inspect; print(list(inspect.signature(c.torchax_convolution()).parameters)[:2])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=120)
+    assert done.returncode == 0 and done.stdout.split() == ["['input',", "'weight']"], done.stderr + done.stdout
+
+
+def test_a_step_marked_unwrapped_is_left_alone_by_optimizer_init_and_its_update_runs_the_hooks():
+    class Wrapped(torch.optim.Optimizer):
+        @compat.leave_step_unwrapped
+        def step(self, closure=None):
+            return self._update() if self.defaults["acts"] else None
+
+        @torch.optim.Optimizer.profile_hook_step
+        def _update(self):
+            seen.append("update")
+
+    step, seen = Wrapped.step, []
+    opt = Wrapped([nn.Parameter(torch.ones(1))], {"acts": False})
+    opt.register_step_pre_hook(lambda *_: seen.append("pre"))
+    opt.register_step_post_hook(lambda *_: seen.append("post"))
+    opt.step()
+    opt.defaults["acts"] = True
+    opt.step()
+    assert Wrapped.step is step and seen == ["pre", "update", "post"]
+
+
+def test_compiled_original_and_child_names_read_the_modules_loom_expects():
+    net = nn.Sequential(nn.Linear(2, 2))
+    shared = nn.ReLU()
+    net.add_module("a", shared)
+    net.add_module("b", shared)
+    net.add_module("gone", None)
+    assert compat.compiled_original(torch.compile(net, backend="eager")) is net
+    assert compat.child_names(net) == ["0", "a", "b", "gone"]  # named_children gives ["0", "a"]

@@ -28,11 +28,18 @@ def rank(group: dist.ProcessGroup | None = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+REDUCE_OPS = tuple(_OPS)
+
+
+def check_op(op: str) -> str:
+    """``op`` if it names a reduction, else the one-line error every reduce in loom raises."""
+    if op not in _OPS:
+        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)}")
+    return op
+
+
 def _op(op: str) -> dist.ReduceOp:
-    try:
-        return _OPS[op]
-    except KeyError:
-        raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_OPS)}") from None
+    return _OPS[check_op(op)]
 
 
 def _finish_mean(tensor: torch.Tensor, op: str, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -1,137 +1,37 @@
 """Runs a pipeline for one replica: plan the epoch, read and map in workers, prefetch, time it.
 
-The work of a batch (read each element, apply the maps, collate) is one task for a worker,
-tf.data's fused map-and-batch: one queue hop per batch, not per element, and collation runs
-in parallel too. Thread workers are ``torchdata.nodes`` (``ParallelMapper``, ``Prefetcher``,
-``PinMemory``); process workers are a ``DataLoader`` whose indices are batches of addresses,
-for its persistent workers and shared-memory transfer. On CUDA batches arrive pinned and the
-copy to the device is issued one batch ahead, without blocking.
+The work of a batch is one task for a worker (``loom.data.batch_worker``). Thread workers are
+``torchdata.nodes`` (``ParallelMapper``, ``Prefetcher``, ``PinMemory``); process workers are a
+``DataLoader`` whose indices are batches of addresses (``loom.data.process_workers``). On CUDA
+batches arrive pinned and the copy to the device is issued one batch ahead, without blocking.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 from torch.utils.data.dataloader import default_collate
 from torchdata.nodes import BaseNode, Loader, ParallelMapper, PinMemory, Prefetcher
 
-from loom import compat
+from loom.data.batch_worker import BatchResult, BatchWorker, first
 from loom.data.loader import own_generator, to_device
 from loom.data.plan import Chunk, EpochPlan, choose_sharding
+from loom.data.process_workers import HELD_BATCHES, RECEIVED_AHEAD, Claims, Tasks, Window, in_sequence, out_of_buffers, yield_to_training
 from loom.data.receiver import Receiver
 from loom.data.report import InputStats
-from loom.data.seeding import mix, seeded
+from loom.data.seeding import mix
 from loom.data.shared_batches import BatchBuffers
 from loom.data.sharding import check_global_batch
-from loom.data.sources import Source
 from loom.errors import DataFileError
 
-RECEIVED_AHEAD = 2  # process workers' batches taken in ahead of the loop (receiver.py)
-# Shared buffers beyond the tasks in flight: the batches received ahead and the one the receiver
-# holds, the batch the loop holds, the one before, a spare.
-HELD_BATCHES = RECEIVED_AHEAD + 1 + 3
-IDLE_SECONDS = 0.002  # a process worker's idle task, while the loop waits for a slower worker's batch
-DEAD_WORKER_CHECK_SECONDS = 1.0  # how often workers are looked at while only idle tasks come back
-
 if TYPE_CHECKING:
-    from loom.data.pipeline import MapStage, Pipeline
-
-
-@dataclass
-class _Result:
-    """What a worker sends back for one batch."""
-
-    data: Any = None
-    valid: int = 0
-    seconds: list[float] = field(default_factory=list)  # read, each map, collate
-    skipped: list[DataFileError] = field(default_factory=list)
-    error: DataFileError | None = None
-    buffer: int | None = None  # the shared buffer the task was given (``data``'s tensors lie in it)
-    sequence: int = -1  # process workers: the task's place in the iteration (-1: an idle task)
-    failure: Any = None  # process workers: what a map or collate_fn raised, to raise in its turn
-
-    def pin_memory(self) -> _Result:
-        """What the DataLoader's and torchdata's pinning threads call (CUDA): without it they
-        would pass the result on as it is, and the copy to the device would not overlap."""
-        self.data = compat.pinned(self.data)
-        return self
-
-
-class _BatchWorker:
-    """Reads, maps and collates one batch of addresses; runs in a worker thread or process."""
-
-    def __init__(
-        self,
-        source: Source,
-        maps: tuple[MapStage, ...],
-        cache_after: int | None,
-        collate: Callable[[list[Any]], Any],
-        seeded: bool,
-    ) -> None:
-        self.source = source
-        self.maps = maps
-        self.cache_after = cache_after
-        self.collate = collate
-        self.seeded = seeded
-        self.cache: dict[tuple[int, int], Any] = {}  # shared by threads; process workers refuse cache()
-
-    def __call__(self, chunk: Chunk, collate: Callable[[list[Any]], Any] | None = None) -> _Result:
-        """The batch's work under its own seed where the global generators are this worker's alone;
-        ``collate`` in place of the pipeline's (one that builds the batch in a shared buffer)."""
-        if not self.seeded:
-            return self._run(chunk, collate or self.collate)
-        with seeded(chunk.seed):
-            return self._run(chunk, collate or self.collate)
-
-    def _run(self, chunk: Chunk, collate: Callable[[list[Any]], Any]) -> _Result:
-        """Stage by stage over the whole batch: two clock readings per stage, not per element."""
-        seconds = [0.0] * (len(self.maps) + 2)
-        elements: list[list[Any]] = []  # [address, value, index of the first map still to apply]
-        skipped: list[DataFileError] = []
-        valid = chunk.valid
-        start = time.perf_counter()
-        for position, key in enumerate(chunk.keys):
-            if self.cache_after is not None and key in self.cache:
-                elements.append([key, self.cache[key], self.cache_after])
-                continue
-            try:
-                elements.append([key, self.source.read(*key), 0])
-            except DataFileError as error:
-                if self.source.errors == "raise":
-                    return _Result(error=error)
-                skipped.append(error)
-                valid -= position < chunk.valid
-        if not elements:
-            return _Result(error=skipped[-1])
-        seconds[0] = time.perf_counter() - start
-        for i, stage in enumerate(self.maps):
-            self._fill_cache(elements, i)
-            start = time.perf_counter()
-            for element in elements:
-                if element[2] <= i:
-                    element[1] = stage.fn(element[1])
-            seconds[i + 1] = time.perf_counter() - start
-        self._fill_cache(elements, len(self.maps))
-        start = time.perf_counter()
-        data = collate([element[1] for element in elements])
-        seconds[-1] = time.perf_counter() - start
-        return _Result(data, valid, seconds, skipped)
-
-    def _fill_cache(self, elements: list[list[Any]], maps_done: int) -> None:
-        if maps_done == self.cache_after:
-            for key, value, first in elements:
-                if first < maps_done:
-                    self.cache[key] = value
-
+    from loom.data.pipeline import Pipeline
 
 class PipelineLoader:
     """One replica's batches of a pipeline, resumable, with a record of where time goes.
@@ -172,10 +72,10 @@ class PipelineLoader:
         self.workers = _parallelism(pipeline.num_parallel)
         if pipeline.cache_after is not None and pipeline.method == "process" and self.workers:
             raise ValueError("cache() needs thread workers: process workers do not share a cache; use method='thread'")
-        collate = (pipeline.collate_fn or default_collate) if self.batched else _first
+        collate = (pipeline.collate_fn or default_collate) if self.batched else first
         # Thread workers share the process's generators: only processes (or no workers) seed per batch.
         own_generators = pipeline.method == "process" or not self.workers
-        self._worker = _BatchWorker(source, pipeline.maps, pipeline.cache_after, collate, own_generators)
+        self._worker = BatchWorker(source, pipeline.maps, pipeline.cache_after, collate, own_generators)
         self.stats = InputStats(
             stages=["read"] + [m.name for m in pipeline.maps] + ["collate"],
             workers=self.workers,
@@ -189,11 +89,11 @@ class PipelineLoader:
         # no pass starts with an empty pipeline. Out of order a pass's batches would mix; thread
         # workers still reading when the interpreter exits would abort it.
         self._chunks = _Chunks(self.plan, onward=pipeline.deterministic and self._in_processes)
-        self._workers: Iterable[_Result] | None = None
-        self._stream: Iterator[_Result] | None = None  # the workers' results, from _stream_next on
+        self._workers: Iterable[BatchResult] | None = None
+        self._stream: Iterator[BatchResult] | None = None  # the workers' results, from _stream_next on
         self._stream_next: tuple[int, int] | None = None  # (pass, batch) of the stream's next result
         self._buffers: BatchBuffers | None = None  # process workers on CPU: batches in shared buffers
-        self._window: _Window | None = None  # process workers in order: how far tasks run ahead
+        self._window: Window | None = None  # process workers in order: how far tasks run ahead
         self._valid: list[int] = []  # per batch of the current iteration
         self._warn_skipped(source.skipped, "file(s)")
 
@@ -285,7 +185,7 @@ class PipelineLoader:
         self.position += 1
         return batch
 
-    def _results(self, epoch: int, start: int) -> Iterator[_Result]:
+    def _results(self, epoch: int, start: int) -> Iterator[BatchResult]:
         """Workers' results in order, timing how long the consumer waits and trains."""
         count = self.plan.num_batches(epoch)
         stream = self._stream_from(epoch, start)
@@ -324,7 +224,7 @@ class PipelineLoader:
             self._stream.stop()
         self._workers = self._stream = self._window = self._buffers = None
 
-    def _stream_from(self, epoch: int, start: int) -> Iterator[_Result]:
+    def _stream_from(self, epoch: int, start: int) -> Iterator[BatchResult]:
         """The running stream where it is at (epoch, start), else one started there; restarting
         discards what the workers had read ahead for another position."""
         if self._stream is None or self._stream_next != (epoch, start):
@@ -336,9 +236,9 @@ class PipelineLoader:
             self._stream = iter(self._workers)
             stop = threading.Event()
             if self._window is not None:
-                self._stream = _in_sequence(self._stream, self._window, stop)
+                self._stream = in_sequence(self._stream, self._window, stop)
             if self._buffers is not None:
-                self._stream = _out_of_buffers(self._stream, self._buffers)
+                self._stream = out_of_buffers(self._stream, self._buffers)
             if self._in_processes:
                 self._stream = Receiver(self._stream, RECEIVED_AHEAD, stop)
             self._stream_next = (epoch, start)
@@ -350,7 +250,7 @@ class PipelineLoader:
             return epoch, batch + 1
         return (epoch + 1, 0) if self._chunks.onward else None
 
-    def _start_workers(self) -> Iterable[_Result]:
+    def _start_workers(self) -> Iterable[BatchResult]:
         """Built once and reused every epoch, so worker threads and processes persist.
 
         Processes: a ``DataLoader`` whose "indices" are our batches of addresses (persistent
@@ -371,18 +271,18 @@ class PipelineLoader:
             if self.device.type == "cpu":  # elsewhere batches are copied anyway (pinned, to the device)
                 self._buffers = BatchBuffers(ahead + HELD_BATCHES)
             if self.pipeline.deterministic:
-                self._window = _Window(2 * in_flight, ahead, self.workers)
+                self._window = Window(2 * in_flight, ahead, self.workers)
             return DataLoader(
-                _Tasks(self._worker, self._buffers, self._window),
+                Tasks(self._worker, self._buffers, self._window),
                 batch_size=None,
-                sampler=_Claims(self._chunks, self._buffers, self._window),
+                sampler=Claims(self._chunks, self._buffers, self._window),
                 num_workers=self.workers,
                 collate_fn=_as_is,
                 pin_memory=self.device.type == "cuda",
                 prefetch_factor=factor,
                 persistent_workers=True,
                 in_order=False,
-                worker_init_fn=_yield_to_training,
+                worker_init_fn=yield_to_training,
                 generator=own_generator(mix(self.pipeline.ops.seed, self.plan.replica)),
             )
         node: BaseNode = ParallelMapper(
@@ -454,153 +354,8 @@ class _ChunkNode(BaseNode[Chunk]):
         return {}  # the position lives in PipelineLoader.state_dict
 
 
-class _Window:
-    """How far tasks run ahead: ``size`` past the oldest unfinished one, so workers ahead of a
-    slow batch do not read on without bound, and ``ahead`` past the batch the receiver is to take
-    next (the shared buffers' count, less ``HELD_BATCHES``). Workers mark what they finish in
-    shared memory: the DataLoader sends its next task as a result arrives, before the receiver
-    sees it, and a window counted from the batches handed out alone would then still be full,
-    its free slots idle tasks at a pass's end."""
-
-    def __init__(self, size: int, ahead: int, workers: int) -> None:
-        self.size = size
-        self.ahead = ahead
-        self.finished = torch.full((size,), -1, dtype=torch.int64).share_memory_()  # slot s % size: s, once done
-        self.idle_done = torch.zeros(max(workers, 1), dtype=torch.int64).share_memory_()  # per worker
-        self.sent = 0
-        self.oldest = 0  # the oldest task not known to be finished
-        self.handed = 0  # results handed on (to the receiver, at most RECEIVED_AHEAD + 1 ahead of the loop)
-        self.idle_taken = 0
-
-    def reset(self) -> None:
-        """A new iteration: the workers have finished or discarded the earlier one's tasks."""
-        self.finished.fill_(-1)
-        self.idle_done.zero_()
-        self.sent = self.oldest = self.handed = self.idle_taken = 0
-
-    def full(self) -> bool:
-        while self.oldest < self.sent and int(self.finished[self.oldest % self.size]) == self.oldest:
-            self.oldest += 1
-        return self.sent - self.oldest >= self.size or self.sent - self.handed >= self.ahead
-
-    def finish(self, sequence: int) -> None:
-        """In a worker: task ``sequence`` is done (-1: an idle task)."""
-        if sequence >= 0:
-            self.finished[sequence % self.size] = sequence
-        else:
-            info = torch.utils.data.get_worker_info()
-            self.idle_done[info.id if info is not None else 0] += 1
-
-    def idle_waiting(self) -> bool:
-        """Whether an idle task's result is ready to be taken (taking it sends a task)."""
-        return int(self.idle_done.sum()) > self.idle_taken
-
-
-_IDLE = (None, None, -1)  # a task with nothing to do: the window is full
-
-
-class _Claims(Sampler[tuple[Chunk | None, int | None, int]]):
-    """Each batch of addresses with the shared buffer its batch is to be written into (or None)
-    and its place in the iteration; idle tasks while the window is full."""
-
-    def __init__(self, chunks: _Chunks, buffers: BatchBuffers | None, window: _Window | None) -> None:
-        self.chunks = chunks
-        self.buffers = buffers
-        self.window = window
-
-    def __iter__(self) -> Iterator[tuple[Chunk | None, int | None, int]]:
-        # This runs at the DataLoader's first request for a task, after every worker has finished
-        # or discarded the earlier iteration's tasks: their buffers are free again.
-        if self.buffers is not None:
-            self.buffers.release_all()
-        if self.window is not None:
-            self.window.reset()
-        for sequence, chunk in enumerate(self.chunks):
-            while self.window is not None and self.window.full():
-                yield _IDLE  # the DataLoader sends a task for each result: never none, or it would end
-            if self.window is not None:
-                self.window.sent += 1
-            yield chunk, self.buffers.claim() if self.buffers is not None else None, sequence  # claimed as sent
-
-
-class _Tasks(Dataset):
-    """A "dataset" whose indices are batches of addresses: a DataLoader worker runs each one."""
-
-    def __init__(self, worker: _BatchWorker, buffers: BatchBuffers | None, window: _Window | None) -> None:
-        self.worker = worker
-        self.buffers = buffers
-        self.window = window
-
-    def __getitem__(self, task: tuple[Chunk | None, int | None, int]) -> _Result:  # type: ignore[override]
-        result = self._run(*task)
-        if self.window is not None:
-            self.window.finish(result.sequence)
-        return result
-
-    def _run(self, chunk: Chunk | None, buffer: int | None, sequence: int) -> _Result:
-        if chunk is None:
-            time.sleep(IDLE_SECONDS)
-            return _Result()
-        try:
-            if buffer is None or self.buffers is None:
-                result = self.worker(chunk)
-            else:
-                result = self.worker(chunk, functools.partial(self.buffers.collate, buffer, self.worker.collate))
-        except Exception:  # raised in its turn, not as it arrives (the DataLoader is out of order)
-            result = _Result(failure=compat.worker_failure(f"in loom.data worker process {os.getpid()}"))
-        result.buffer, result.sequence = buffer, sequence
-        return result
-
-
-def _in_sequence(results: Iterator[_Result], window: _Window, stop: threading.Event) -> Iterator[_Result]:
-    """Results in the order their tasks were sent, from results in the order they finished;
-    they end once ``stop`` is set.
-
-    Idle tasks' results are taken as soon as they are ready, even while earlier results wait to
-    be handed out: each one taken sends a task, and left in the queue it would keep the workers
-    without one while the loop trains on those earlier results (or past a pass's end). While
-    they flow, torch never finds a worker that died (it looks after 5 s with no result), so the
-    workers are looked at here, once a second of idle results."""
-    early: dict[int, _Result] = {}
-    looked = time.monotonic()
-    while not stop.is_set():
-        if window.handed in early and not window.idle_waiting():
-            window.handed += 1
-            yield early.pop(window.handed - 1)
-            continue
-        result = next(results, None)
-        if result is None:
-            return
-        if result.sequence >= 0:
-            early[result.sequence] = result
-            continue
-        window.idle_taken += 1
-        if time.monotonic() - looked > DEAD_WORKER_CHECK_SECONDS:
-            if dead := compat.dead_dataloader_workers(results):
-                raise RuntimeError(f"loom.data worker process(es) {', '.join(map(str, dead))} exited unexpectedly; iterating again starts new ones")
-            looked = time.monotonic()
-
-
-def _out_of_buffers(results: Iterator[_Result], buffers: BatchBuffers) -> Iterator[_Result]:
-    """Results whose batches are views of their shared buffers (made by the receiver, off the loop's step)."""
-    for result in results:
-        if result.buffer is not None:
-            result.data = buffers.read(result.buffer, result.data)
-        yield result
-
-
-def _yield_to_training(worker_id: int) -> None:
-    """Input workers run at a lower priority, so the training loop gets a core the moment it needs one."""
-    os.nice(5)
-
-
-def _as_is(result: _Result) -> _Result:
+def _as_is(result: BatchResult) -> BatchResult:
     return result
-
-
-def _first(values: list[Any]) -> Any:
-    """An unbatched pipeline's "collation": its one element."""
-    return values[0]
 
 
 def _parallelism(num_parallel: int | str | None) -> int:

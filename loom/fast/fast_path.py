@@ -334,7 +334,7 @@ def _relu_pools(module: nn.Module) -> list[nn.Sequential]:
 
 
 def _has_pairs(container: nn.Sequential) -> bool:
-    modules = list(container._modules.values())
+    modules = list(container)
     return any(_swappable(a, b) for a, b in zip(modules, modules[1:]))
 
 
@@ -349,7 +349,7 @@ def _swappable(relu: Any, pool: Any) -> bool:
 def _pool_before_relu(containers: list[nn.Sequential], on: bool) -> None:
     """Give each container the class whose forward runs the pairs pool first, or take it back."""
     for container in containers:
-        container.__class__ = PoolBeforeReluSequential if on else nn.Sequential
+        compat.swap_class(container, PoolBeforeReluSequential if on else nn.Sequential)
 
 
 class PoolBeforeReluSequential(nn.Sequential):
@@ -358,7 +358,7 @@ class PoolBeforeReluSequential(nn.Sequential):
     or hooked since runs in its own order."""
 
     def forward(self, input: Any) -> Any:
-        modules = list(self._modules.values())
+        modules = list(self)
         i = 0
         while i < len(modules):
             if i + 1 < len(modules) and _swappable(modules[i], modules[i + 1]):
@@ -373,7 +373,7 @@ class PoolBeforeReluSequential(nn.Sequential):
         """What ``torch.jit.script`` compiles: the same modules as a plain ``nn.Sequential``
         (TorchScript cannot take the checks above; the values are the same in eager's order)."""
         plain = copy.copy(self)
-        plain.__class__ = nn.Sequential
+        compat.swap_class(plain, nn.Sequential)
         return plain
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.utils import _pair
+
+from loom.compat import dynamo_recompile_limit, inside_functorch_transform, pair, swap_class
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32; float64 is not
 
@@ -64,9 +65,7 @@ def _kernel(name: str) -> Any:
 def budget() -> int:
     """Shapes that may have kernels: past dynamo's recompile limit it would run the Python above
     instead, 8x slower than eager's pool."""
-    import torch._dynamo.config
-
-    return torch._dynamo.config.recompile_limit
+    return dynamo_recompile_limit()
 
 
 def _compiled_for(x: torch.Tensor, k: int) -> bool:
@@ -98,10 +97,10 @@ class _WindowMaxPool(torch.autograd.Function):
 def window(pool: nn.MaxPool2d) -> int | None:
     """The window size of a pool whose windows tile its input (kernel == stride, square, no padding,
     dilation or ceil mode, no indices returned), else None."""
-    kernel, stride = _pair(pool.kernel_size), _pair(pool.stride if pool.stride is not None else pool.kernel_size)
+    kernel, stride = pair(pool.kernel_size), pair(pool.stride if pool.stride is not None else pool.kernel_size)
     if kernel != stride or kernel[0] != kernel[1] or kernel[0] * kernel[0] > 256:  # positions 0..255 fit a byte
         return None
-    if _pair(pool.padding) != (0, 0) or _pair(pool.dilation) != (1, 1) or pool.ceil_mode or pool.return_indices:
+    if pair(pool.padding) != (0, 0) or pair(pool.dilation) != (1, 1) or pool.ceil_mode or pool.return_indices:
         return None
     return kernel[0]
 
@@ -114,7 +113,7 @@ def takes(x: Any, k: int) -> bool:
         return False
     if not (x.requires_grad and torch.is_grad_enabled()) or torch.jit.is_tracing() or torch.compiler.is_compiling():
         return False
-    if torch._C._functorch.peek_interpreter_stack() is not None:
+    if inside_functorch_transform():
         return False
     if x.shape[2] % k or x.shape[3] % k or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
         return False
@@ -134,7 +133,7 @@ class WindowMaxPool2d(nn.MaxPool2d):
     def __prepare_scriptable__(self) -> nn.MaxPool2d:
         """What ``torch.jit.script`` compiles: eager's module (the same values)."""
         plain = copy.copy(self)
-        plain.__class__ = nn.MaxPool2d
+        swap_class(plain, nn.MaxPool2d)
         return plain
 
 
@@ -146,4 +145,4 @@ def pools(module: nn.Module) -> list[nn.MaxPool2d]:
 def use(layers: list[nn.MaxPool2d], on: bool) -> None:
     """Give each pool the class that runs the kernels, or take it back."""
     for layer in layers:
-        layer.__class__ = WindowMaxPool2d if on else nn.MaxPool2d
+        swap_class(layer, WindowMaxPool2d if on else nn.MaxPool2d)

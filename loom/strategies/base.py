@@ -21,29 +21,29 @@ from abc import ABC, abstractmethod
 from contextlib import contextmanager, nullcontext
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Iterator, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
-from loom.compat import compiled_module_type
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
-from loom.strategies.optimizer import StrategyOptimizer
-from loom.strategies.precision import AutocastModule, Precision
+from loom.strategies import cross_replica
+from loom.strategies.cross_replica import Number
+from loom.strategies.optimizer import StrategyOptimizer, check_owned
+from loom.strategies.precision import Precision
 from loom.strategies.step import LossFn, TrainStep
+from loom.strategies.wrappers import SCALER_SUFFIX, scaled_optimizers, unwrap, unwrapped_state  # noqa: F401 - unwrap: imported from here too
 
 if TYPE_CHECKING:
     from loom.checkpoint.checkpointer import Checkpointer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 2)": the chief ends the job's first line with it
-Number = TypeVar("Number", int, float)
 
 
 class Strategy(ABC):
@@ -155,12 +155,7 @@ class Strategy(ABC):
             return wrapped
         if isinstance(optimizer, torch.optim.Optimizer):
             inner = optimizer
-            owned = {id(p) for p in module.parameters()}
-            if not all(id(p) in owned for g in inner.param_groups for p in g["params"]):
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's "
-                    "parameters, or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
+            check_owned(inner, module.parameters())
         elif callable(optimizer):
             inner = optimizer(module.parameters())
             if not isinstance(inner, torch.optim.Optimizer):
@@ -329,25 +324,15 @@ class Strategy(ABC):
 
         ``op`` is one of ``loom.comm``'s: sum, mean, max, min, product.
         """
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-            if op == "mean" and not tensor.is_floating_point():
-                tensor = tensor.double()
-        elif isinstance(value, (int, float)):
-            tensor = torch.tensor(float(value), dtype=torch.float64, device=self.device)
-        else:
-            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-        with self._guard():
-            comm.all_reduce(tensor, op, group=self._replica_group)
-        if isinstance(value, torch.Tensor):
-            return tensor
-        result = tensor.item()
-        return int(result) if isinstance(value, int) and op != "mean" else result
+        return cross_replica.reduce(value, op, self._transport(), self.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every replica's ``tensor`` concatenated along dim 0 in replica order (sizes may differ)."""
-        with self._guard():
-            return comm.all_gather(tensor.reshape(1) if tensor.dim() == 0 else tensor, group=self._replica_group)
+        return cross_replica.gather(tensor, self._transport())
+
+    def _transport(self) -> cross_replica.Transport:
+        """How this strategy's replicas meet for ``reduce`` and ``gather``: their process group."""
+        return cross_replica.GroupTransport(self._replica_group, self._guard)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the chief only, flushed: one line per job, not one per replica."""
@@ -385,9 +370,9 @@ class Strategy(ABC):
         that does not call it is named within ``LOOM_SAVE_TIMEOUT`` seconds (10).
         """
         peers = self._connection.monitor if self._connection is not None else None
-        scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in _scaled(state).items()}
+        scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in scaled_optimizers(state).items()}
         with self._guard():
-            return self._checkpointer.save(directory, step, {**_unwrapped(state), **scalers}, keep, async_save, durable, peers)
+            return self._checkpointer.save(directory, step, {**unwrapped_state(state), **scalers}, keep, async_save, durable, peers)
 
     def restore(
         self, directory: str | Path, *, fallback: bool = False, strict: bool = True, **state: Any
@@ -402,8 +387,8 @@ class Strategy(ABC):
         """
         peers = self._connection.monitor if self._connection is not None else None
         with self._guard():
-            restored = self._checkpointer.restore(directory, _unwrapped(state), fallback, strict, peers)
-        for name, optimizer in _scaled(state).items():  # an fp32 checkpoint leaves the scaler fresh
+            restored = self._checkpointer.restore(directory, unwrapped_state(state), fallback, strict, peers)
+        for name, optimizer in scaled_optimizers(state).items():  # an fp32 checkpoint leaves the scaler fresh
             saved = restored.pop(f"{name}{SCALER_SUFFIX}", None) if restored else None
             if saved is not None:
                 optimizer.scaler.load_state_dict(saved)
@@ -461,14 +446,8 @@ class Strategy(ABC):
         )
 
 
-WRAPPERS: tuple[type[nn.Module], ...] = (DistributedDataParallel, AutocastModule)
-
-
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'s' if n != 1 else ''}"
-
-
-SCALER_SUFFIX = ".grad_scaler"  # an fp16 optimizer's GradScaler is saved beside it, as a JSON value
 
 
 def _check_cycles_ended(steps: int, micro_steps: int) -> None:
@@ -489,29 +468,3 @@ def _check_cycles_ended(steps: int, micro_steps: int) -> None:
             "still in .grad and join the next update (make the steps per epoch a multiple of it)",
             stacklevel=4,
         )
-
-
-def _scaled(state: dict[str, Any]) -> dict[str, StrategyOptimizer]:
-    """The optimizers whose fp16 gradient scaler belongs in the checkpoint with them."""
-    return {name: v for name, v in state.items() if isinstance(v, StrategyOptimizer) and v.scaler is not None}
-
-
-def _unwrapped(state: dict[str, Any]) -> dict[str, Any]:
-    """The user's own modules and optimizers, so a checkpoint does not depend on the strategy."""
-    return {
-        name: unwrap(v) if isinstance(v, nn.Module) else v.optimizer if isinstance(v, StrategyOptimizer) else v
-        for name, v in state.items()
-    }
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module the user passed to ``prepare``, from whatever wrappers the strategy added.
-
-    Only loom's wrappers and ``torch.compile``'s are peeled: a user's model may well have a
-    submodule named ``module``. Checkpoint keys come from the unwrapped module, so they do
-    not depend on compilation, precision or DDP.
-    """
-    compiled = compiled_module_type()
-    while isinstance(model, WRAPPERS) or (compiled is not None and isinstance(model, compiled)):
-        model = model.module if isinstance(model, WRAPPERS) else model._orig_mod
-    return model

@@ -544,10 +544,10 @@ def test_a_result_pins_its_batch_when_the_pinning_thread_asks(monkeypatch):
     from torch.utils.data._utils.pin_memory import pin_memory
 
     from loom import compat
-    from loom.data.runner import _Result
+    from loom.data.batch_worker import BatchResult
 
     monkeypatch.setattr(compat, "pinned", lambda data: ("pinned", data))
-    result = _Result(data=torch.ones(2))
+    result = BatchResult(data=torch.ones(2))
     assert pin_memory(result) is result and result.data[0] == "pinned"
 
 

@@ -164,9 +164,8 @@ class LocalStepOptimizer(StrategyOptimizer):
         super().__init__(wrapped.optimizer, wrapped.precision, wrapped._should_step)
         self.replicas = replicas
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        if not self._step_acts():
-            return None
+    @torch.optim.Optimizer.profile_hook_step  # the step hooks around the update and the meeting after it
+    def _update(self, closure: Callable[[], Any] | None) -> Any:
         result = self.precision.step(self.optimizer, closure)
         self.replicas.stepped()
         return result

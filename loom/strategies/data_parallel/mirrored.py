@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from loom import comm
 from loom.cluster import ClusterSpec, TorchrunEnvironment
 from loom.comm import Connection
-from loom.compat import DDP_BUFFER_SYNC, ddp_syncs_buffers
+from loom.compat import DDP_BUFFER_SYNC, ddp_backward_syncs, ddp_syncs_buffers, lay_out_ddp_buckets, set_ddp_backward_sync
 from loom.comm.compression import Compression, PowerSGD, check_compression, choose_compression, compression_hook, measure_bandwidth
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
@@ -162,7 +162,7 @@ class MirroredStrategy(Strategy):
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         for ddp in self._ddp:
-            ddp.require_backward_grad_sync = enabled or not ddp.may_skip_sync
+            set_ddp_backward_sync(ddp, enabled or not ddp.may_skip_sync)
 
     def save(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
         """DDP hands every replica replica 0's buffers (BatchNorm statistics) at the next forward;
@@ -204,8 +204,7 @@ class ReplicatedModule(DistributedDataParallel):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.reducer._push_all_rebuilt_params()  # as if a backward had handed every gradient, in reverse order
-        self.reducer._rebuild_buckets()  # the layout, for good (a no-op with find_unused_parameters: DDP never relays then)
+        lay_out_ddp_buckets(self)  # as if a backward had handed every gradient, in reverse order: for good (a no-op with find_unused_parameters)
 
     def _build_params_for_reducer(self) -> tuple[list[nn.Parameter], list[bool]]:
         """The parameters in reverse order, so the layout made from them puts the last layers' in the first bucket."""
@@ -217,7 +216,7 @@ class ReplicatedModule(DistributedDataParallel):
         return self.synced_once or not self.static_graph
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.require_backward_grad_sync and torch.is_grad_enabled():
+        if ddp_backward_syncs(self) and torch.is_grad_enabled():
             self.synced_once = True
         try:
             return super().forward(*args, **kwargs)

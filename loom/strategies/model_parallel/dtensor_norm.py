@@ -5,17 +5,19 @@ every rank holds all of them; with tensors on several meshes (tensor parallel be
 or parameters spread over pipeline stages, its norm is wrong. Here each rank sums ``|g|^p``
 over its local shards, then adds the partial sums over exactly the mesh dimensions a tensor
 is sharded on (never over replicated ones, which would count a value twice), and
-``groups`` adds what other ranks hold outright (the other pipeline stages).
+``groups`` adds what other ranks hold outright (the other pipeline stages). It is the one
+global norm of loom: the pipeline's norm over its stages is this with ``groups=(pp group,)``.
+DTensor is not imported here (a second of CPU): a gradient can be one only once it is loaded.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+import sys
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate
 
 PENDING = tuple[dist.ProcessGroup, ...]
 
@@ -31,8 +33,9 @@ def global_norm(tensors: Iterable[torch.Tensor], norm_type: float = 2.0, groups:
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     partial: dict[PENDING, torch.Tensor] = {}  # by the process groups a partial sum still needs
     device = None
+    dtensor = _dtensor_type()
     for tensor in tensors:
-        if isinstance(tensor, DTensor):
+        if dtensor is not None and isinstance(tensor, dtensor):
             tensor = _without_partial(tensor)
             reduce_over = tuple(tensor.device_mesh.get_group(d) for d, pl in enumerate(tensor.placements) if not pl.is_replicate())  # Shard and FSDP-over-TP's _StridedShard
             local = tensor.to_local()
@@ -64,9 +67,10 @@ def clip_grad_norm(
     grads = [p.grad for p in parameters if p.grad is not None]
     total = global_norm(grads, norm_type, groups)
     coefficient = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    dtensor = _dtensor_type()
     with torch.no_grad():
         for grad in grads:
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            local = grad.to_local() if dtensor is not None and isinstance(grad, dtensor) else grad
             local.mul_(coefficient.to(local.device, local.dtype))
     return total
 
@@ -84,10 +88,17 @@ def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:
     return torch.maximum(a, b) if math.isinf(p) else a + b
 
 
-def _without_partial(tensor: DTensor) -> DTensor:
+def _dtensor_type() -> type | None:
+    """DTensor's class once its module is loaded (no tensor is a DTensor before)."""
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+
+
+def _without_partial(tensor: Any) -> Any:
     """A gradient still pending a sum (``Partial``) is summed first: its norm is not the parts' norms."""
     if not any(pl.is_partial() for pl in tensor.placements):
         return tensor
+    from torch.distributed.tensor import Replicate
+
     return tensor.redistribute(tensor.device_mesh, [Replicate() if pl.is_partial() else pl for pl in tensor.placements])
 
 

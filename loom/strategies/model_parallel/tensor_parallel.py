@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from loom.compat import compiled_module_type
+from loom.compat import compiled_module_type, compiled_original
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.strategies.model_parallel.mesh import MeshStrategy, broadcast_states
 
@@ -99,7 +99,7 @@ def tensor_parallelize(module: nn.Module, mesh: DeviceMesh, plan: Plan | None = 
 def uncompiled(module: nn.Module) -> nn.Module:
     """The module ``torch.compile`` wrapped (compilation happens at the first call, so after the split)."""
     compiled = compiled_module_type()
-    return module._orig_mod if compiled is not None and isinstance(module, compiled) else module
+    return compiled_original(module) if compiled is not None and isinstance(module, compiled) else module
 
 
 def tied_weights(module: nn.Module) -> list[list[str]]:
@@ -306,7 +306,7 @@ def _sequential_pairs(seq: nn.Sequential, at: str, degree: int, plan: dict[str, 
                 first = None
                 continue
             first = (name, child)
-        elif first is not None and (any(True for _ in child.parameters()) or any(True for _ in child.buffers()) or len(child._modules) or _needs_features(child, first[1].out_features)):
+        elif first is not None and (any(True for _ in child.parameters()) or any(True for _ in child.buffers()) or any(True for _ in child.children()) or _needs_features(child, first[1].out_features)):
             first = None  # a layer between them that mixes or normalises features: not an element-wise pair
 
 

@@ -99,6 +99,13 @@ class Collectives:
         self.timeout = timeout
         self.number: int | None = None  # the next collective; asked from server 0 at the first one
 
+    def all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        """A ``loom.strategies.cross_replica.Transport``: ``reduce`` over the workers."""
+        return self.run(op, tensor)
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.run("gather", tensor)
+
     def run(self, op: str, value: torch.Tensor) -> torch.Tensor:
         if self.number is None:
             self.number = self.client.call({"op": "meet", "next": True, "worker": self.worker})[0]["next"]

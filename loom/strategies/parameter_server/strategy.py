@@ -16,25 +16,25 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import deque
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loom.comm import preemption
 from loom.errors import LoomError
-from loom.strategies.base import Number, OptimizerFactory, Strategy, unwrap
+from loom.strategies.base import OptimizerFactory, Strategy, unwrap
 from loom.strategies.parameter_server.checkpoints import mirror, plain_state, pull_all, write_back
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.collectives import Collectives
-from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
-from loom.strategies.precision import Precision
+from loom.strategies.parameter_server.remote_embedding import RemoteEmbedding
+from loom.strategies.optimizer import check_owned
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
+from loom.strategies.parameter_server.worker_optimizer import ParameterServerOptimizer, server_rule
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
 RATE_WINDOW = 10.0  # seconds the job report's rates are taken over
@@ -43,202 +43,6 @@ NO_CLIPPING = (
     "ParameterServerStrategy cannot clip the global gradient norm (each worker holds only its share of the "
     "gradient, and the servers apply it shard by shard); drop max_grad_norm / clip_gradients, or use MirroredStrategy"
 )
-
-
-class RemoteEmbedding(nn.Module):
-    """An embedding table that lives on the servers; forward pulls only the rows it needs.
-
-    It keeps the table's options: ``padding_idx`` (that row gets no gradient, and a bag leaves
-    it out), ``scale_grad_by_freq``, a bag's ``mode`` and ``include_last_offset``; and whether
-    it trains (``trained``: ``requires_grad``, and in the optimizer the user built).
-    """
-
-    def __init__(self, name: str, local: nn.Embedding | nn.EmbeddingBag, variables: ShardedVariables, trained: bool = True) -> None:
-        super().__init__()
-        self.name = name
-        self.bag = isinstance(local, nn.EmbeddingBag)
-        self.mode = getattr(local, "mode", None)
-        self.padding_idx = local.padding_idx
-        self.scale_grad_by_freq = local.scale_grad_by_freq
-        self.include_last_offset = getattr(local, "include_last_offset", False)
-        self.trained = trained and local.weight.requires_grad
-        self.variables = variables  # not a submodule: a copy of the model shares it
-        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, pulled rows) of this step
-        # [unique ids, their rows once read, the batch's ids, their places among the unique] of the batches to come
-        self.ahead: deque[list[Any]] = deque(maxlen=2)
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Have the next read from the servers (the step's commit) bring the rows ``ids`` needs."""
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        self.ahead.append([unique, None, ids.clone(), inverse])
-
-    def wanted(self) -> torch.Tensor | None:
-        """The ids of the newest prefetch not yet read, if any."""
-        return self.ahead[-1][0] if self.ahead and self.ahead[-1][1] is None else None
-
-    def prefetched(self, rows: torch.Tensor) -> None:
-        self.ahead[-1][1] = rows
-
-    def _lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The unique ids, each id's place among them, and their rows: prefetched when read for
-        these ids (prefetches asked for before them are dropped), else pulled now. A prefetch
-        for the batch after this one stays."""
-        for i, (unique, rows, batch, inverse) in enumerate(self.ahead):
-            if rows is not None and batch.shape == ids.shape and torch.equal(batch, ids):  # the unique ids without sorting again
-                for _ in range(i + 1):
-                    self.ahead.popleft()
-                return unique, inverse, rows
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        for i, (prefetched, rows, _, _) in enumerate(self.ahead):
-            if rows is not None and torch.equal(prefetched, unique):
-                for _ in range(i + 1):
-                    self.ahead.popleft()
-                return unique, inverse, rows
-        return unique, inverse, self.variables.pull_rows(self.name, unique)
-
-    def local_like(self, weight: torch.Tensor) -> nn.Module:
-        """The plain module this one replaced, holding ``weight`` (for a checkpoint)."""
-        options = {"freeze": not self.trained, "padding_idx": self.padding_idx, "scale_grad_by_freq": self.scale_grad_by_freq}
-        if self.bag:
-            return nn.EmbeddingBag.from_pretrained(weight, mode=self.mode, include_last_offset=self.include_last_offset, **options)
-        return nn.Embedding.from_pretrained(weight, **options)
-
-    def forward(self, ids: torch.Tensor, offsets: torch.Tensor | None = None, per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
-        unique, local_ids, rows = self._lookup(ids)
-        if torch.is_grad_enabled() and self.trained:  # kept for the push; evaluation keeps nothing
-            self.touched.append((unique, rows.requires_grad_()))
-        padding = None  # the padding row's place among the pulled rows, if the batch has it
-        if self.padding_idx is not None and bool((hit := unique == self.padding_idx).any()):
-            padding = int(hit.nonzero()[0])
-        if self.bag:
-            return F.embedding_bag(local_ids, rows, offsets, scale_grad_by_freq=self.scale_grad_by_freq, mode=self.mode,
-                                   per_sample_weights=per_sample_weights, include_last_offset=self.include_last_offset,
-                                   padding_idx=padding)  # fmt: skip
-        return F.embedding(local_ids, rows, padding_idx=padding, scale_grad_by_freq=self.scale_grad_by_freq)
-
-    def row_gradients(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's row ids and their gradients, summed over forward passes."""
-        parts = [(ids, rows.grad) for ids, rows in self.touched if rows.grad is not None]
-        self.touched = []
-        if not parts:
-            return None
-        if len(parts) == 1:  # the ids as read: the push splits them among the servers as the read did
-            return parts[0]
-        return torch.cat([ids for ids, _ in parts]), torch.cat([g for _, g in parts])
-
-
-class ParameterServerOptimizer(torch.optim.Optimizer):
-    """``step()`` pushes this worker's gradients and pulls the newest dense parameters.
-
-    The servers run the user's own optimizer (see ``optimizers.py``), each parameter group with
-    the hyper-parameters it has at this step, so the training loop and its LR scheduler do not
-    change. Inside ``strategy.accumulate(k)`` only the last micro-batch's ``step`` pushes (and
-    ``zero_grad`` clears), and fp16 gradients, the pulled rows' included, go through the
-    strategy's gradient scaler, which skips a push whose gradients overflowed.
-    """
-
-    def __init__(
-        self,
-        inner: torch.optim.Optimizer,
-        model: nn.Module,
-        variables: ShardedVariables,
-        workers: int,
-        staleness: int | None,
-        synchronous: bool = False,
-        trained: Iterable[str] | None = None,
-        precision: Precision | None = None,
-        should_step: Any = lambda: True,
-        lazy_rows: bool = False,
-    ) -> None:
-        self.optimizer = inner
-        self.model = model
-        self.variables = variables
-        self.workers = workers
-        self.staleness = staleness
-        self.synchronous = synchronous
-        self.precision = precision
-        self.lazy_rows = lazy_rows
-        self._should_step = should_step
-        self.dense = {n: p for n, p in model.named_parameters()}
-        self.trained = list(self.dense) if trained is None else [n for n in trained if n in self.dense]  # in the optimizer
-        self.tables = [m for m in model.modules() if isinstance(m, RemoteEmbedding)]
-        self.remote = {m.name: m for m in self.tables if m.trained}
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()  # register_step_pre/post_hook, as on torch's optimizers
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._should_step():
-            self.model.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The user's optimizer's: its state is the servers' as of the last ``restore`` (they keep the live one)."""
-        return self.optimizer.state_dict()
-
-    @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        if not self._should_step():
-            return None
-        return self._update(closure)
-
-    @torch.optim.Optimizer.profile_hook_step  # runs the step hooks around each push, as torch's optimizers do
-    def _update(self, closure: Any = None) -> Any:
-        scaler = self.precision.scaler if self.precision is not None else None
-        if closure is not None and scaler is not None:
-            raise ValueError("precision='16-mixed' does not support optimizer closures (e.g. LBFGS); use 'bf16-mixed'")
-        loss = None
-        if closure is not None:  # as torch's optimizers do: the closure computes the gradients first
-            with torch.enable_grad():
-                loss = closure()
-        if scaler is None:
-            self._push()
-            return loss
-        rows = [pulled for m in self.remote.values() for _, pulled in m.touched]
-        scaler.step(_Gradients([self.dense[n] for n in self.trained] + rows, self._push))
-        for m in self.remote.values():
-            m.touched = []  # a skipped step's rows are not pushed with the next one
-        return loss
-
-    def _push(self) -> None:
-        dense = {n: g for n in self.trained if (g := self.dense[n].grad) is not None}
-        rows = {name: g for name, m in self.remote.items() if (g := m.row_gradients()) is not None}
-        options = {"hyper": group_hyper(self.optimizer), "every_shard": not self.lazy_rows}
-        ahead = {m: ids for m in self.tables if (ids := m.wanted()) is not None}  # prefetched rows: read with the dense ones
-        wanted = {m.name: ids for m, ids in ahead.items()}
-        if self.synchronous or self.staleness is not None:
-            self.variables.push(dense, rows, sync=self.workers if self.synchronous else None, **options)
-            if self.synchronous:
-                self.variables.wait_for_round()
-            else:
-                self.variables.wait_for_peers(self.workers, self.staleness)
-            pulled, fetched = self.variables.pull(list(self.dense), wanted)  # after the step every worker waits for
-        else:  # asynchronous: the newest parameters come back with the commit
-            pulled, fetched = self.variables.push(dense, rows, then_pull=list(self.dense), then_rows=wanted, **options)
-        for name, value in pulled.items():
-            self.dense[name].copy_(value)
-        for module in ahead:
-            if module.name in fetched:
-                module.prefetched(fetched[module.name])
-
-
-class _Gradients:
-    """What the fp16 gradient scaler unscales and checks for overflow: the dense gradients and
-    the pulled rows'; its ``step`` is the push."""
-
-    def __init__(self, params: list[torch.Tensor], push: Any) -> None:
-        self.param_groups = [{"params": params}]
-        self.step = push
 
 
 class ParameterServerStrategy(Strategy):
@@ -331,6 +135,8 @@ class ParameterServerStrategy(Strategy):
                 )
         refuse_tied_tables(model, tables)
         refuse_batchnorm(model)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_owned(optimizer, model.parameters())
         names_before = {id(p): n for n, p in model.named_parameters()}  # the tables' weights included
         table_params = {f"{n}.weight" for n in tables}
         shapes = {n: p for n, p in model.named_parameters() if n not in table_params}
@@ -496,25 +302,10 @@ class ParameterServerStrategy(Strategy):
             report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
-    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
-        """Combine a tensor or a number over every worker still in the job, met at server 0."""
-        if op not in ("sum", "mean", "max", "min", "product"):
-            raise ValueError(f"unknown reduce op {op!r}; use one of sum, mean, max, min, product")
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            tensor = tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
-        elif isinstance(value, (int, float)):
-            tensor = torch.tensor(float(value), dtype=torch.float64)
-        else:
-            raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-        result = self._collectives().run(op, tensor)
-        if isinstance(value, torch.Tensor):
-            return result.to(tensor.dtype)
-        return int(result.item()) if isinstance(value, int) and op != "mean" else result.item()
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every worker's ``tensor`` concatenated along dim 0 in worker order (sizes may differ)."""
-        return self._collectives().run("gather", tensor.reshape(1) if tensor.dim() == 0 else tensor)
+    def _transport(self) -> Collectives:
+        """Workers share no process group: ``reduce`` and ``gather`` meet at server 0, over every
+        worker still in the job, in worker order."""
+        return self._collectives()
 
     def barrier(self) -> None:
         """Wait until every worker still in the job gets here."""
@@ -553,49 +344,9 @@ def _percentiles(histogram: dict[int, int]) -> dict[str, float]:
     return out
 
 
-def server_rule(optimizer: torch.optim.Optimizer, assign: dict[str, int] | None = None, lazy_rows: bool = False) -> dict[str, Any]:
-    """The servers' copy of a torch optimizer the user built: its class, every parameter group's
-    hyper-parameters, and which group each variable (by name) is in.
-
-    torch's SparseAdam is Adam with lazy rows, which is what it does on a table.
-    """
-    if isinstance(optimizer, torch.optim.SparseAdam):
-        return {"kind": "Adam", "groups": group_hyper(optimizer), "assign": assign or {}, "lazy_rows": True}
-    kind = next((k for k, cls in RULES.items() if type(optimizer) is cls), None)
-    if kind is None:
-        raise ValueError(
-            f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (any momentum, dampening, nesterov, "
-            "weight decay), Adagrad, Adam or AdamW (amsgrad, weight decay), or torch's SparseAdam"
-        )
-    return {"kind": kind, "groups": group_hyper(optimizer), "assign": assign or {}, "lazy_rows": lazy_rows}
-
-
-def group_hyper(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Every parameter group's hyper-parameters as they are now (a scheduler changes them), as JSON."""
-    keys = [k for k in optimizer.defaults if k not in RUNTIME_OPTIONS]
-    return [{k: _plain(group[k]) for k in keys if k in group} for group in optimizer.param_groups]
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.item()
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _groups_by_name(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, int]:
     """Parameter name -> the index of the optimizer's group holding it."""
-    groups = {}
-    for index, group in enumerate(optimizer.param_groups):
-        for param in group["params"]:
-            if id(param) not in names:
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's "
-                    "parameters, or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
-            groups[names[id(param)]] = index
-    return groups
+    return {names[id(param)]: index for index, group in enumerate(optimizer.param_groups) for param in group["params"]}
 
 
 def _materialize(model: nn.Module) -> None:

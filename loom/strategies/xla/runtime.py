@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from loom.compat import torchax_convolution
+
 EXTRA = "pip install 'loom[xla]' (torch==2.13.0 torchax==0.0.14.dev20261026 jax[cpu]==0.10.2 optax flatbuffers)"
 
 
@@ -44,12 +46,10 @@ def environment() -> Any:
 
 def _convolution(env: Any, *args: Any) -> torch.Tensor:
     """torchax's convolution, its inputs in the autocast dtype when there is one (as torch's autocast does)."""
-    from torchax.ops.jaten import _aten_convolution  # the pinned torchax's lowering
-
     dtype = env.param.autocast_dtype
     if dtype is not None:
         args = tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
-    return env.j2t_iso(_aten_convolution(*env.t2j_iso(args)))
+    return env.j2t_iso(torchax_convolution()(*env.t2j_iso(args)))
 
 
 def _batch_norm(x: torch.Tensor, weight: Any, bias: Any, running_mean: Any, running_var: Any,

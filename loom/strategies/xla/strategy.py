@@ -22,6 +22,7 @@ from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
+from loom.strategies.xla.hosts import Hosts
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.state import DeviceState
 from loom.strategies.xla.tree import leaves, map_tensors
@@ -54,6 +55,7 @@ class TPUStrategy(Strategy):
         self.plan = build_mesh(self._jax, mesh, shard_threshold)
         self._states: weakref.WeakKeyDictionary[nn.Module, DeviceState] = weakref.WeakKeyDictionary()
         self._key = self._jax.random.key(seed)
+        self._hosts = Hosts(self._jax)
 
     # ---- topology: a replica of the loop is a host's process, which drives all of its devices
     @property
@@ -162,37 +164,12 @@ class TPUStrategy(Strategy):
         sharding = self.plan.batch()
         return feed.DeviceLoader(inner, self.data_parallel_size // hosts, lambda t: feed.device_array(t, sharding))
 
-    # ---- values across hosts --------------------------------------------------------------------
-    def reduce(self, value: torch.Tensor | int | float, op: str = "mean") -> Any:
-        """Over hosts (each host's value covers its devices' samples); the value itself on one host."""
-        if op not in ("sum", "mean", "max", "min", "product"):
-            raise ValueError(f"unknown reduce op {op!r}; use sum, mean, max, min or product")
-        if self._jax.process_count() == 1:
-            return value.detach().clone() if isinstance(value, torch.Tensor) else value
-        import numpy as np
-        from jax.experimental import multihost_utils
-
-        host = value.detach().cpu().double().numpy() if isinstance(value, torch.Tensor) else np.float64(value)
-        every = np.asarray(multihost_utils.process_allgather(host))
-        combined = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min, "product": np.prod}[op](every, axis=0)
-        if isinstance(value, torch.Tensor):
-            return torch.as_tensor(combined).to(value.dtype if op != "mean" or value.is_floating_point() else torch.float64)
-        return int(combined) if isinstance(value, int) and op != "mean" else float(combined)
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every host's ``tensor`` concatenated in host order (equal sizes across hosts)."""
-        if self._jax.process_count() == 1:
-            return tensor.reshape(1) if tensor.dim() == 0 else tensor.clone()
-        from jax.experimental import multihost_utils
-
-        every = multihost_utils.process_allgather(tensor.detach().cpu().numpy(), tiled=tensor.dim() > 0)
-        return torch.as_tensor(every).reshape(-1, *tensor.shape[1:]) if tensor.dim() else torch.as_tensor(every)
+    # ---- values across hosts: each host's value covers its devices' samples ------------------
+    def _transport(self) -> Hosts:
+        return self._hosts
 
     def barrier(self) -> None:
-        if self._jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("loom barrier")
+        self._hosts.barrier()
 
     # ---- checkpoints: the devices' values, as the ordinary checkpoint of the user's objects --
     def save(self, directory: str | Path, **kwargs: Any) -> Path:

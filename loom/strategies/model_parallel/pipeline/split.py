@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from loom.compat import child_names
 from loom.strategies.outputs import map_outputs
 from loom.strategies.data_parallel.sync_batchnorm import first_batchnorm
 
@@ -105,11 +106,11 @@ def _around(model: nn.Module, path: str) -> tuple[list[str], list[str]]:
     after: list[str] = []
     parent, prefix = model, ""
     for part in path.split("."):
-        children = list(parent._modules)
+        children = child_names(parent)
         at = children.index(part)
         before += [prefix + name for name in children[:at]]
         after = [prefix + name for name in children[at + 1 :]] + after
-        parent, prefix = parent._modules[part], f"{prefix}{part}."
+        parent, prefix = parent.get_submodule(part), f"{prefix}{part}."
     return before, after
 
 
@@ -298,12 +299,12 @@ class _ForwardStage(nn.Module):
     def _with_list(self, modules: list[nn.Module], call: Callable[[], Any]) -> Any:
         path, _, name = self.list_name.rpartition(".")
         parent = self.model.get_submodule(path)
-        original = parent._modules[name]
-        parent._modules[name] = nn.Sequential(*modules) if isinstance(original, nn.Sequential) else nn.ModuleList(modules)
+        original = parent.get_submodule(name)
+        parent.register_module(name, nn.Sequential(*modules) if isinstance(original, nn.Sequential) else nn.ModuleList(modules))
         try:
             return call()
         finally:
-            parent._modules[name] = original
+            parent.register_module(name, original)
 
 
 class FirstStage(_ForwardStage):

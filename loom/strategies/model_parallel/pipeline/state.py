@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.compat import non_persistent_buffers
 from loom.strategies.optimizer import inner_optimizer
 
 
@@ -29,7 +30,7 @@ def stage_view(model: nn.Module, owned: dict[str, torch.Tensor]) -> nn.Module:
         if isinstance(tensor, nn.Parameter):
             holder.register_parameter(leaf, tensor)
         else:
-            holder.register_buffer(leaf, tensor, persistent=leaf not in source._non_persistent_buffers_set)
+            holder.register_buffer(leaf, tensor, persistent=leaf not in non_persistent_buffers(source))
     return view
 
 
@@ -41,25 +42,25 @@ def held_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _container(root: nn.Module, path: str) -> nn.Module:
     module = root
     for part in path.split(".") if path else []:
-        if part not in module._modules:
+        if part not in dict(module.named_children()):
             module.add_module(part, nn.Module())
-        module = module._modules[part]  # type: ignore[assignment]
+        module = module.get_submodule(part)
     return module
 
 
 class NamedGroups(torch.optim.Optimizer):
     """The stage's optimizer as the checkpoint sees it: its state, and groups naming every stage's parameters.
 
-    It subclasses Optimizer for DCP's checks and skips its ``__init__``: ``state`` is the
-    stage optimizer's own; ``param_groups`` are copies with the placeholders appended.
+    A torch ``Optimizer`` (for DCP's checks) over copies of the stage optimizer's groups with the
+    placeholders appended; ``state`` is the stage optimizer's own.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, placeholders: list[list[nn.Parameter]]) -> None:
-        self.optimizer = inner_optimizer(optimizer)
+        inner = inner_optimizer(optimizer)
+        super().__init__([{**g, "params": [*g["params"], *extra]} for g, extra in zip(inner.param_groups, placeholders)], inner.defaults)
+        self.optimizer = inner
         self.placeholders = {id(p) for group in placeholders for p in group}
-        self.param_groups = [{**g, "params": [*g["params"], *extra]} for g, extra in zip(self.optimizer.param_groups, placeholders)]
-        self.state = self.optimizer.state
-        self.defaults = self.optimizer.defaults
+        self.state = inner.state
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         index: dict[int, int] = {}

@@ -15,7 +15,6 @@ forward and backward are interleaved by the schedule, so ``backward`` refuses an
 
 from __future__ import annotations
 
-import math
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -27,14 +26,16 @@ from torch import nn
 
 from loom import comm
 from loom.cluster import TorchrunEnvironment
-from loom.compat import compiled_module_type
+from loom.compat import compiled_module_type, compiled_original
 from loom.comm import Connection, preemption
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
+from loom.strategies import cross_replica
 from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.strategies.model_parallel.mesh import broadcast_states
-from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.optimizer import StrategyOptimizer, check_owned
 from loom.strategies.model_parallel.pipeline.runner import SCHEDULES, PipelineRunner
 from loom.strategies.model_parallel.pipeline.state import held_tensors, named_groups, stage_view
 from loom.strategies.model_parallel.pipeline.split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
@@ -150,12 +151,7 @@ class PipelineStrategy(Strategy):
         self._announce()  # the job's first line, before the split's description
         compiled, model = _compiled(model), unwrap(model)  # torch.compile(model): its stages' blocks are compiled alike
         if isinstance(optimizer, torch.optim.Optimizer):
-            ids = {id(p) for p in model.parameters()}
-            if not all(id(p) in ids for g in optimizer.param_groups for p in g["params"]):
-                raise ValueError(
-                    "the optimizer holds parameters that are not the model's; build it on this model's parameters, "
-                    "or pass a factory: prepare(model, lambda params: torch.optim.SGD(params, lr=0.1))"
-                )
+            check_owned(optimizer, model.parameters())
         if self.dp_group is None and self.group is None:  # Hybrid broadcasts to every replica before it splits
             with self._guard():
                 broadcast_states(model, self._device)  # each stage starts from rank 0's model, whatever each rank seeded
@@ -213,7 +209,7 @@ class PipelineStrategy(Strategy):
         """What ``prepare`` returned, from ``model``: that, or ``torch.compile`` of it (whose settings
         then compile the stages' blocks: the schedule runs them, not the model's forward)."""
         compiled = _compiled(model)
-        stages = compiled._orig_mod if compiled is not None else model
+        stages = compiled_original(compiled) if compiled is not None else model
         if not isinstance(stages, PipelineModule) or stages.strategy is not self:
             raise TypeError(f"{type(self).__name__}.train_step takes the model this strategy's prepare() returned")
         if compiled is not None:
@@ -225,16 +221,8 @@ class PipelineStrategy(Strategy):
 
     def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """The norm of every stage's gradients together: the stages' norms combined over the pp group."""
-        grads = [p.grad for p in params if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.zeros((), device=self._device)
         with self._guard():
-            if math.isinf(norm_type):
-                total = comm.all_reduce(local.clone(), "max", self.group)
-            else:
-                total = comm.all_reduce(local.double() ** norm_type, "sum", self.group) ** (1.0 / norm_type)
-        total = total.to(local.dtype)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+            return clip_grad_norm(params, max_norm, norm_type, (self.group,))
 
     def _average_over_replicas(self, params: list[nn.Parameter]) -> None:
         if self.dp_group is None:
@@ -302,23 +290,9 @@ class PipelineStrategy(Strategy):
         return staged
 
     # ---- cross-replica values: over the dp axis only ----------------------------------------
-    def reduce(self, value: Any, op: str = "mean") -> Any:
-        if self.dp_group is not None:
-            return _reduce_over(value, op, self.dp_group, self._device)
-        comm.collectives._op(op)  # a wrong op name still fails
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().clone()
-            return tensor.double() if op == "mean" and not tensor.is_floating_point() else tensor
-        if isinstance(value, (int, float)):
-            return float(value) if op == "mean" else value
-        raise TypeError(f"reduce() takes a tensor or a number, not {type(value).__name__}")
-
-    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = tensor.reshape(1) if tensor.dim() == 0 else tensor
-        if self.dp_group is None:
-            return tensor.clone()
-        with self._guard():
-            return comm.all_gather(tensor, self.dp_group)
+    def _transport(self) -> cross_replica.Transport:
+        """The pipelines replicated over ``dp_group``; one pipeline is one replica."""
+        return cross_replica.GroupTransport(self.dp_group, self._guard) if self.dp_group is not None else cross_replica.Alone()
 
 
 class PipelineModule(AutocastModule):
@@ -427,19 +401,8 @@ def _release(model: nn.Module, owned: dict[str, torch.Tensor]) -> None:
     """Every parameter and buffer of ``model`` not in ``owned`` becomes a meta tensor (shapes kept, no memory)."""
     keep = {id(t) for t in owned.values()}
     for module in model.modules():
-        for store in (module._parameters, module._buffers):
-            for name, tensor in store.items():
-                if tensor is not None and id(tensor) not in keep and not tensor.is_meta:
-                    meta = tensor.to("meta")
-                    store[name] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-
-
-def _reduce_over(value: Any, op: str, group: dist.ProcessGroup, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().clone()
-        if op == "mean" and not tensor.is_floating_point():
-            tensor = tensor.double()
-        return comm.all_reduce(tensor, op, group)
-    tensor = comm.all_reduce(torch.tensor(float(value), dtype=torch.float64, device=device), op, group)
-    result = tensor.item()
-    return int(result) if isinstance(value, int) and op != "mean" else result
+        own = [*module.named_parameters(recurse=False, remove_duplicate=False), *module.named_buffers(recurse=False, remove_duplicate=False)]
+        for name, tensor in own:
+            if id(tensor) not in keep and not tensor.is_meta:  # setattr keeps a buffer's persistence
+                meta = tensor.to("meta")
+                setattr(module, name, nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta)
