@@ -55,21 +55,31 @@ class TPUStrategy(Strategy):
         self._states: weakref.WeakKeyDictionary[nn.Module, DeviceState] = weakref.WeakKeyDictionary()
         self._key = self._jax.random.key(seed)
 
-    # ---- topology: a replica of the loop is a host's process, which drives all of its devices
+    # ---- topology: TF's replicas are the data axis's devices; one process per host feeds them
     @property
     def num_replicas_in_sync(self) -> int:
-        """Processes (one per host) feeding the step: each gets its hosts' share of every global batch."""
-        return self._jax.process_count()
-
-    @property
-    def replica_id(self) -> int:
-        """This host's index; 0 on one machine."""
-        return self._jax.process_index()
+        """Devices on the mesh's ``data`` axis, as in TF: ``per_replica_batch * num_replicas_in_sync`` is the global batch."""
+        return self.plan.data_size
 
     @property
     def data_parallel_size(self) -> int:
         """Devices on the mesh's ``data`` axis: each computes the gradient of its slice of the batch."""
         return self.plan.data_size
+
+    @property
+    def num_hosts(self) -> int:
+        """Processes (one per host) feeding the step: each reads its host's share of every global batch."""
+        return self._jax.process_count()
+
+    @property
+    def host_id(self) -> int:
+        """This host's index, 0 .. num_hosts - 1; 0 on one machine."""
+        return self._jax.process_index()
+
+    @property
+    def replica_id(self) -> int:
+        """The first replica (data device) this host drives; host 0 drives replica 0."""
+        return self.host_id * (self.data_parallel_size // self.num_hosts)
 
     @property
     def device(self) -> torch.device:
@@ -124,7 +134,7 @@ class TPUStrategy(Strategy):
         if batch is None:
             return None
         sharding = self.plan.batch()
-        local = self.plan.data_size // self.num_replicas_in_sync
+        local = self.plan.data_size // self.num_hosts
 
         def put(t: torch.Tensor) -> Any:
             copy = feed.attached(t)
@@ -151,8 +161,7 @@ class TPUStrategy(Strategy):
         ``batch_size`` must split evenly over the data devices. The uneven last batch is padded
         as under every strategy; ``valid_count(k)`` says how many of batch k's samples are real.
         """
-        jax = self._jax
-        hosts, host = jax.process_count(), jax.process_index()
+        hosts, host = self.num_hosts, self.host_id
         if isinstance(data, Pipeline):
             inner = data.loader(hosts, host, self.device, batch_size, shard_by)
         else:
