@@ -20,6 +20,7 @@ from loom.strategies import (
     get_strategy,
     unwrap,
 )
+from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "DiLoCoStrategy",
     "EarlyStopping",
     "HybridStrategy",
+    "InputContext",
     "LaunchError",
     "LocalSGDStrategy",
     "LoomError",
@@ -41,6 +43,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ReduceOp",
     "RankFailureError",
     "ShardedStrategy",
     "Strategy",
@@ -50,6 +53,7 @@ __all__ = [
     "advise",
     "auto_strategy",
     "comm",
+    "compute_average_loss",
     "evaluate",
     "fit",
     "get_strategy",

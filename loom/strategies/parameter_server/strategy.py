@@ -33,7 +33,8 @@ from loom.strategies.parameter_server.collectives import Collectives
 from loom.strategies.parameter_server.optimizers import RULES, RUNTIME_OPTIONS
 from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
-from loom.strategies.precision import Precision
+from loom.strategies.precision import Precision, canonical
+from loom.strategies.tf_compat import reduce_arguments
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 
 EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
@@ -279,7 +280,7 @@ class ParameterServerStrategy(Strategy):
         self.synchronous = os.environ.get("LOOM_PS_SYNC") == "1" if synchronous is None else synchronous
         if self.synchronous and self.staleness is not None:
             raise ValueError("synchronous training has no staleness: pass one of staleness=K and synchronous=True")
-        if self.synchronous and precision == "16-mixed":
+        if self.synchronous and canonical(precision) == "16-mixed":
             raise ValueError(
                 "synchronous parameter servers cannot skip an fp16 step that overflowed on one worker on every worker at "
                 "once; use precision='bf16-mixed', or asynchronous training"
@@ -496,8 +497,9 @@ class ParameterServerStrategy(Strategy):
             report[f"worker{worker}_steps_per_sec"] = (step - before.get(worker, 0)) / elapsed
         return report
 
-    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
+    def reduce(self, value: torch.Tensor | Number, op: str = "mean", axis: int | None = None) -> torch.Tensor | Number:
         """Combine a tensor or a number over every worker still in the job, met at server 0."""
+        value, op = reduce_arguments(value, op, axis)
         if op not in ("sum", "mean", "max", "min", "product"):
             raise ValueError(f"unknown reduce op {op!r}; use one of sum, mean, max, min, product")
         if isinstance(value, torch.Tensor):

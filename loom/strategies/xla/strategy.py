@@ -20,7 +20,9 @@ from loom.data import DistributedLoader, Pipeline
 from loom.data.sharding import check_global_batch
 from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.precision import canonical
 from loom.strategies.step import LossFn
+from loom.strategies.tf_compat import reduce_arguments
 from loom.strategies.xla import feed, runtime
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.state import DeviceState
@@ -47,7 +49,7 @@ class TPUStrategy(Strategy):
 
     def __init__(self, mesh: dict[str, int] | None = None, precision: str = "32", shard_threshold: int = 1 << 16,
                  seed: int = 0, timeout: float | None = None) -> None:  # fmt: skip
-        if precision == "16-mixed":
+        if canonical(precision) == "16-mixed":
             raise ValueError("TPUStrategy runs mixed precision in bfloat16 (no loss scaling on XLA): use precision='bf16-mixed'")
         super().__init__(precision=precision, timeout=timeout)
         self._jax = runtime.require()
@@ -171,9 +173,17 @@ class TPUStrategy(Strategy):
         sharding = self.plan.batch()
         return feed.DeviceLoader(inner, self.data_parallel_size // hosts, lambda t: feed.device_array(t, sharding))
 
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Refused: one pipeline per host feeds all of its devices."""
+        raise NotImplementedError(
+            "TPUStrategy feeds all of a host's devices from one pipeline: use strategy.distribute(dataset, "
+            "batch_size=GLOBAL_BATCH) instead of distribute_datasets_from_function"
+        )
+
     # ---- values across hosts --------------------------------------------------------------------
-    def reduce(self, value: torch.Tensor | int | float, op: str = "mean") -> Any:
+    def reduce(self, value: torch.Tensor | int | float, op: str = "mean", axis: int | None = None) -> Any:
         """Over hosts (each host's value covers its devices' samples); the value itself on one host."""
+        value, op = reduce_arguments(value, op, axis)
         if op not in ("sum", "mean", "max", "min", "product"):
             raise ValueError(f"unknown reduce op {op!r}; use sum, mean, max, min or product")
         if self._jax.process_count() == 1:
