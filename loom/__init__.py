@@ -22,6 +22,7 @@ from loom.strategies import (
 )
 from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit
+from loom.train.export import export
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "comm",
     "compute_average_loss",
     "evaluate",
+    "export",
     "fit",
     "get_strategy",
     "launch",
