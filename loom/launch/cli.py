@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads)
+        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads, opts.timeout)
         if args.ps is not None:
             if args.ps_hosts or args.role:
                 raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")

@@ -463,8 +463,16 @@ class ParameterServerStrategy(Strategy):
             time.sleep(0.1)
 
     def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
+        """Wait for the chief to create the variables, at most the job's timeout: a chief that
+        failed (its optimizer refused, say) never will."""
+        give_up = time.monotonic() + self.timeout
         for client in clients:
             while not client.call({"op": "ready"})[0]["ready"]:
+                if time.monotonic() > give_up:
+                    raise LoomError(
+                        f"the chief (worker 0) did not create the variables on the servers within {self.timeout:g}s: it "
+                        "failed or has not started; see its launcher's output (--timeout or LOOM_TIMEOUT sets the wait)"
+                    )
                 time.sleep(0.1)
 
     def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
