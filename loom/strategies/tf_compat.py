@@ -40,7 +40,6 @@ EQUIVALENTS = {
     "experimental_run_v2": "strategy.run(fn, args=...)",
     "experimental_distribute_datasets_from_function": "strategy.distribute_datasets_from_function(fn)",
     "experimental_distribute_values_from_function": "a plain value: each process is one replica (see strategy.replica_id)",
-    "distribute_values_from_function": "a plain value: each process is one replica (see strategy.replica_id)",
     "experimental_make_numpy_dataset": "strategy.distribute(torch.utils.data.TensorDataset(...), batch_size=GLOBAL_BATCH)",
     "make_dataset_iterator": "iter(strategy.distribute(dataset, batch_size=GLOBAL_BATCH))",
     "make_input_fn_iterator": "strategy.distribute_datasets_from_function(fn)",
@@ -51,10 +50,6 @@ EQUIVALENTS = {
     "experimental_assign_to_logical_device": "TPUStrategy(mesh={'data': D, 'model': M})",
     "experimental_split_to_logical_devices": "TPUStrategy(mesh={'data': D, 'model': M})",
     "experimental_replicate_to_logical_devices": "TPUStrategy(mesh={'data': D, 'model': M})",
-    "experimental_distribute_values": "a plain value: each process is one replica",
-    "gather_v2": "strategy.gather(tensor)",
-    "all_reduce": "strategy.reduce(value, 'sum')",
-    "experimental_gather": "strategy.gather(tensor)",
 }
 
 
