@@ -20,7 +20,9 @@ from loom.strategies import (
     get_strategy,
     unwrap,
 )
+from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit
+from loom.train.export import export
 
 __version__ = "0.1.0"
 
@@ -31,6 +33,7 @@ __all__ = [
     "DiLoCoStrategy",
     "EarlyStopping",
     "HybridStrategy",
+    "InputContext",
     "LaunchError",
     "LocalSGDStrategy",
     "LoomError",
@@ -41,6 +44,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ReduceOp",
     "RankFailureError",
     "ShardedStrategy",
     "Strategy",
@@ -50,7 +54,9 @@ __all__ = [
     "advise",
     "auto_strategy",
     "comm",
+    "compute_average_loss",
     "evaluate",
+    "export",
     "fit",
     "get_strategy",
     "launch",

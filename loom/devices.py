@@ -1,20 +1,30 @@
 """Local devices and the per-process CPU thread budget.
 
 Oversubscribed threads are the usual reason CPU data parallelism is slow: N processes that
-each start one thread per core fight over the cores. Each process gets ``cores // N``.
+each start one thread per core fight over the cores. Each process gets ``cores // N``, where N
+counts every loom process on the host, whatever started it: the launcher's plan (its own
+processes, and under TF_CONFIG the other workers listed on this host) and a per-host registry
+of live loom processes (two ``loom run``s, torchrun), a file per pid that dies with its process.
 """
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import socket
+import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 
 from loom.errors import LaunchError
 
 THREADS_ENV = "LOOM_THREADS"
+HOST_PROCESSES_ENV = "LOOM_HOST_PROCESSES"  # the launcher's count of loom processes on this host
+REGISTRY_ENV = "LOOM_PROCESS_REGISTRY"  # where the live processes are listed (default: /dev/shm)
 
 
 def available_cores() -> int:
@@ -59,27 +69,81 @@ def thread_budget(local_processes: int, cores: int | None = None) -> int:
     return max(1, cores // max(1, local_processes))
 
 
-def apply_thread_budget(local_processes: int) -> int | None:
-    """Set torch's intra-op thread count to this process's share of the cores, where loom may.
+def registry_dir() -> Path:
+    """This host's list of live loom processes: shared memory, so it never outlives a reboot."""
+    root = os.environ.get(REGISTRY_ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return Path(root) / f"loom-processes-{os.getuid()}" / socket.gethostname()
 
-    The count is process-wide state, so a strategy sets it only in a process loom owns, started
-    by ``loom run`` or ``loom.launch`` (whose ``--threads`` flag, else cores / local processes,
-    arrives as ``LOOM_THREADS``), or where the user asks by setting ``LOOM_THREADS`` (a number,
-    or ``auto`` for cores / local processes). Any other process (plain torchrun, a notebook)
-    keeps its own, and is told once if its threads oversubscribe the cores. Returns the count
-    set, or None.
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def register_process() -> None:
+    """List this process on its host until it exits; entries of processes that died are skipped."""
+    directory = registry_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    entry = directory / str(os.getpid())
+    entry.touch()
+    atexit.register(entry.unlink, missing_ok=True)
+
+
+def live_processes() -> int:
+    """Live loom processes on this host (stale entries, of processes that died, are removed)."""
+    directory = registry_dir()
+    count = 0
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        if entry.name.isdigit() and _alive(int(entry.name)):
+            count += 1
+        else:
+            entry.unlink(missing_ok=True)
+    return count
+
+
+def apply_thread_budget(local_processes: int) -> int | None:
+    """Set torch's intra-op thread count to this process's share of the host's cores, where loom may.
+
+    The count is process-wide state, so it is set only in a process loom owns, started by
+    ``loom run`` or ``loom.launch`` (``--threads N`` arrives as ``LOOM_THREADS=N``, else
+    ``auto``), or where the user asks by setting ``LOOM_THREADS`` (a number, or ``auto``).
+    Under ``auto`` the cores are divided among the launcher's count of processes on this host
+    and the live loom processes listed there, whichever is larger; a process that finds more of
+    them than its launcher planned for (another job) says in one line what to pass. Any other
+    process (plain torchrun, a notebook) keeps its own count, and is told once if its threads
+    oversubscribe the cores. Returns the count set, or None.
     """
+    register_process()  # counted by the others, whatever its own budget
     asked = os.environ.get(THREADS_ENV, "")
     if not asked:
         _warn_if_oversubscribed(local_processes, torch.get_num_threads(), available_cores())
         return None
     if asked == "auto":
-        threads = thread_budget(local_processes)
+        threads = _host_share(local_processes)
     elif asked.isdigit() and int(asked) > 0:
         threads = int(asked)
     else:
         raise LaunchError(f"{THREADS_ENV}={asked!r} is not a number of threads: use a positive number, or 'auto' for cores / local processes")
     torch.set_num_threads(threads)
+    return threads
+
+
+def _host_share(local_processes: int) -> int:
+    planned = max(local_processes, int(os.environ.get(HOST_PROCESSES_ENV) or 0))
+    found = live_processes()
+    threads = thread_budget(max(planned, found))
+    if found > planned:
+        print(
+            f"loom: {found} loom processes share this host's {available_cores()} cores (another job?); this one takes "
+            f"{threads} thread(s): pass --threads {threads} to each job to keep the others from taking more",
+            file=sys.stderr,
+            flush=True,
+        )
     return threads
 
 

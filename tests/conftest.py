@@ -9,6 +9,13 @@ LEAKABLE_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
 
 
 @pytest.fixture(autouse=True)
+def own_process_registry(tmp_path_factory, monkeypatch):
+    """Each test's loom processes count only each other when they divide the cores (loom.devices),
+    not the jobs of tests running beside it."""
+    monkeypatch.setenv("LOOM_PROCESS_REGISTRY", str(tmp_path_factory.mktemp("registry")))
+
+
+@pytest.fixture(autouse=True)
 def no_leaked_distributed_state():
     before = {k: os.environ.get(k) for k in LEAKABLE_ENV}
     yield

@@ -1,5 +1,5 @@
 """``loom checkpoint inspect``, ``export`` and ``verify``: what a checkpoint holds, its weights for
-serving, and whether it is intact. Each reads only files that ``COMMITTED`` lists, after
+serving (written by ``loom.train.export``), and whether it is intact. Each reads only files that ``COMMITTED`` lists, after
 checking their sizes and digests, and the index through ``safe_reader``."""
 
 from __future__ import annotations
@@ -77,10 +77,8 @@ def describe(path: str | Path) -> dict[str, Any]:
     }
 
 
-def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
-    """The model's weights, gathered whole from every rank's files, as one safetensors file."""
-    from safetensors.torch import save_file
-
+def model_weights(path: str | Path, name: str | None = None) -> tuple[dict[str, torch.Tensor], int]:
+    """A saved model's weights, gathered whole from every rank's files, and the step they were saved at."""
     found, listed = find(path)
     listed.check([index_file(found).name, "loom.json"])  # and the tensors' files as they are read
     meta = layout.read_json(found / "loom.json")
@@ -100,5 +98,4 @@ def export(path: str | Path, out: str | Path, name: str | None = None) -> Path:
         if key.startswith(prefix)
     }
     load({name: weights}, found, index, listed)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(out), metadata={"step": str(meta["step"])})
-    return Path(out)
+    return weights, meta["step"]

@@ -80,10 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = actions.add_parser("inspect", help="list what a checkpoint holds")
     inspect.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
     inspect.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    export = actions.add_parser("export", help="write a model's consolidated weights as safetensors, for serving")
+    export = actions.add_parser("export", help="write a model for serving: its consolidated weights, or a torch.export/ONNX program")
     export.add_argument("directory", help="a checkpoint, or a directory of them (the newest is taken)")
-    export.add_argument("output", help="the .safetensors file to write")
+    export.add_argument("output", help="the file to write: .safetensors, .pt2 or .onnx (the .pt2 is written beside it)")
     export.add_argument("--name", help="which saved model, when there are several")
+    export.add_argument("--format", choices=("pt2", "onnx", "safetensors"), help="default: from OUTPUT's suffix, else safetensors")
+    export.add_argument("--model", help="pt2/onnx: MODULE:FUNCTION that builds the model as in training (importable from here)")
+    export.add_argument("--input-shape", help="pt2/onnx: one batch's shape, e.g. 1,4 (the batch dimension stays free where it can)")
+    export.add_argument("--input-dtype", choices=("float32", "int64"), default="float32", help="pt2/onnx: the batch's dtype")
     verify = actions.add_parser("verify", help="check every file of each checkpoint against its recorded size and digest")
     verify.add_argument("directory", help="a checkpoint, or a directory of them (each is checked)")
     xla_export.add_commands(commands.add_parser("xla", help="TPUStrategy: export a script's compiled training step"))
@@ -91,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_command(args: argparse.Namespace) -> int:
-    from loom.checkpoint.describe import describe, export, verify
+    from loom.checkpoint.describe import describe, verify
 
     if args.action == "verify":
         results = verify(args.directory)
@@ -99,8 +103,10 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
             print(f"{path}: {said}" if intact else said, file=sys.stdout if intact else sys.stderr)  # a damage names its file
         return 0 if all(intact for _, intact, _ in results) else 1
     if args.action == "export":
-        out = export(args.directory, args.output, args.name)
-        print(f"wrote {out} ({out.stat().st_size:,} bytes)")
+        from loom.train.export import export_checkpoint
+
+        for out in export_checkpoint(args.directory, args.output, args.format, args.name, args.model, args.input_shape, args.input_dtype):
+            print(f"wrote {out} ({out.stat().st_size:,} bytes)")
         return 0
     info = describe(args.directory)
     if args.json:
@@ -187,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
-        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads)
+        ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads, opts.timeout)
         if args.ps is not None:
             if args.ps_hosts or args.role:
                 raise LaunchError("--ps N starts every server on this machine; across machines use --ps-hosts and --role instead")

@@ -11,6 +11,11 @@ acknowledges it and snapshots its state every few seconds, so one that dies, eve
 without some (its state files removed or damaged) fails the job, saying how many it lost.
 When a worker dies, its launcher settles its last push (applied on every server or on none) before restarting it; when a worker is done for good its launcher
 tells every server, and the servers exit once all workers are done.
+
+A job ends when a task cannot go on: a worker's exception is named by its launcher (with its
+traceback, once); the chief failing for good (its restarts spent) fails the job, and the
+launcher stops the tasks it started. Workers on other machines that wait for the chief's
+variables give up after the job's timeout (``--timeout``/``LOOM_TIMEOUT``), naming the chief.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loom.cluster import ParameterServerCluster, parse_endpoint
+from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import thread_budget
 from loom.errors import LaunchError, LoomError
 
 SERVER_SAVE_SECONDS = 2.0
 SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where loom.launch.worker records the exception a worker dies of
 TOKEN_HELP = "set the same secret in LOOM_PS_TOKEN on every machine (make one with: python -c 'import secrets; print(secrets.token_hex(16))')"
 
 
@@ -64,7 +71,8 @@ class JobOptions:
     restarted up to ``max_restarts`` times.
     ``tls_cert``/``tls_key``: PEM files for TLS (else ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY``).
     ``threads``: CPU threads for each server and worker started here (``--threads``); by
-    default the cores divided among this machine's workers.
+    default the cores divided among this machine's workers. ``timeout``: seconds a worker
+    waits for the others (the chief's variables, a round) before it fails (``--timeout``).
     """
 
     max_restarts: int = 0
@@ -74,6 +82,7 @@ class JobOptions:
     tls_cert: str | None = None
     tls_key: str | None = None
     threads: int | None = None
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.staleness is not None and self.synchronous:
@@ -127,6 +136,8 @@ class _Job:
             self.env["LOOM_PS_STALENESS"] = str(options.staleness)
         if options.synchronous:
             self.env["LOOM_PS_SYNC"] = "1"
+        if options.timeout is not None:
+            self.env[TIMEOUT_ENV] = str(options.timeout)
         for variable, path in (("LOOM_PS_TLS_CERT", options.tls_cert), ("LOOM_PS_TLS_KEY", options.tls_key)):
             if path:
                 self.env[variable] = str(Path(path).resolve())
@@ -152,9 +163,25 @@ class _Job:
                 return f"parameter server {index} ({self.servers[index]}, pid {proc.pid}) {lost_message(json.loads(self._lost(index).read_text()))}"
         return None
 
+    def _error_file(self, worker: int) -> Path:
+        """Where worker ``worker`` records the exception it dies of (``loom.launch.worker``)."""
+        return self.state_dir / f"worker-{worker}.error.json"
+
     def _start(self, worker: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
-        return subprocess.Popen(command, env={**self.env, "LOOM_PS_WORKER": str(worker)}, preexec_fn=_die_with_parent)
+        self._error_file(worker).unlink(missing_ok=True)
+        env = {**self.env, "LOOM_PS_WORKER": str(worker), ERROR_FILE_ENV: str(self._error_file(worker))}
+        return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+
+    def _why(self, worker: int, code: int) -> str:
+        """How a worker ended: the exception it recorded (its traceback printed here, once), else its code."""
+        try:
+            recorded = json.loads(self._error_file(worker).read_text())["message"]
+            message, traceback = recorded["message"], recorded.get("extraInfo", {}).get("py_callstack", "")
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"exited with code {code}"
+        print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
+        return f"failed: {message}"
 
     def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
         """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
@@ -192,7 +219,7 @@ class _Job:
         server_restarts = dict.fromkeys(serving, 0)
         running = {w: self._start(w) for w in workers_here}
         restarts = dict.fromkeys(running, 0)
-        failed: dict[int, int] = {}
+        failed: dict[int, str] = {}  # worker -> how it ended, for good
         workers_done_at: float | None = None
         try:
             while running or serving:
@@ -223,14 +250,19 @@ class _Job:
                         return 1
                     del running[worker]
                     again = code != 0 and restarts[worker] < self.max_restarts
+                    why = self._why(worker, code) if code != 0 else ""
                     self._tell_servers(worker, proc.pid, code, finished=not again)
                     if again:
                         restarts[worker] += 1
-                        _say(f"worker {worker} (pid {proc.pid}) exited with code {code}; restarting it ({restarts[worker]} of {self.max_restarts}), the others go on")
+                        _say(f"worker {worker} (pid {proc.pid}) {why}; restarting it ({restarts[worker]} of {self.max_restarts}), the others go on")
                         running[worker] = self._start(worker)
                         continue
+                    if code != 0 and worker == 0:  # no chief: nobody creates, restores or saves the variables
+                        stopped = "; stopping this job's other tasks here" if running or serving else ""
+                        _say(f"job failed: worker 0, the chief (pid {proc.pid}), {why}{stopped}")
+                        return 1
                     if code != 0:
-                        failed[worker] = code
+                        failed[worker] = why
                 if workers_here and not running:
                     workers_done_at = workers_done_at or time.monotonic()
                     if time.monotonic() - workers_done_at > SERVER_EXIT_GRACE:
@@ -245,7 +277,7 @@ class _Job:
                 except subprocess.TimeoutExpired:
                     proc.kill()
         if failed:
-            listed = ", ".join(f"worker {w} (code {c})" for w, c in sorted(failed.items()))
+            listed = "; ".join(f"worker {w} {why}" for w, why in sorted(failed.items()))
             others = "; the other workers completed" if len(workers_here) > len(failed) else ""
             _say(f"job finished with failures: {listed}{others}")
             return 1

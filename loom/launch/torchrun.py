@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from loom.cluster import NodeSpec, resolve_node
 from loom.compat import run_torchrun, torchrun_accepts
 from loom.comm.process_group import TIMEOUT_ENV
-from loom.devices import THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
+from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
 from loom.launch.agent import reporting_agent, wait_report_interval
 from loom.launch.failures import report
@@ -74,7 +74,16 @@ class LaunchOptions:
         return f"{_count(self.node().nnodes, 'node')} x {_count(nproc, 'process', 'es')} ({why})"
 
     def threads_per_process(self) -> int:
-        return self.threads or thread_budget(self.processes())
+        return self.threads or thread_budget(self.processes_on_host())
+
+    def processes_on_host(self) -> int:
+        """This node's processes times the nodes of the job on this host (TF_CONFIG's workers on one machine)."""
+        node = self.node()
+        if not node.hosts:
+            return self.processes()
+        mine = node.hosts[node.node_rank]
+        here = sum(1 for host in node.hosts if host == mine or (_is_local(host) and _is_local(mine)))
+        return self.processes() * here
 
 
 def _count(n: int, noun: str, suffix: str = "s") -> str:
@@ -128,9 +137,14 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
 
 
 def worker_environment(opts: LaunchOptions) -> dict[str, str]:
-    """Variables every worker inherits: its thread budget and the collective timeout."""
+    """Variables every worker inherits: its thread budget and the collective timeout.
+
+    ``--threads`` is passed as is; otherwise (``auto``) each worker divides the cores itself
+    (``devices.apply_thread_budget``), among this host's processes that it can count.
+    """
     threads = opts.threads_per_process()
-    env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(threads), LAYOUT_ENV: opts.layout()}
+    env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(opts.threads or "auto"),
+           HOST_PROCESSES_ENV: str(opts.processes_on_host()), LAYOUT_ENV: opts.layout()}  # fmt: skip
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = str(opts.timeout)
     node = opts.node()

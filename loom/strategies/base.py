@@ -35,8 +35,9 @@ from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fa
 from loom.strategies import cross_replica
 from loom.strategies.cross_replica import Number
 from loom.strategies.optimizer import StrategyOptimizer, check_owned
-from loom.strategies.precision import Precision
+from loom.strategies.precision import Precision, canonical
 from loom.strategies.step import LossFn, TrainStep
+from loom.strategies.tf_compat import TFNames, reduce_arguments
 from loom.strategies.wrappers import SCALER_SUFFIX, scaled_optimizers, unwrap, unwrapped_state  # noqa: F401 - unwrap: imported from here too
 
 if TYPE_CHECKING:
@@ -46,12 +47,12 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 2)": the chief ends the job's first line with it
 
 
-class Strategy(ABC):
+class Strategy(TFNames, ABC):
     """Where replicas run, how gradients are combined, how data is split between them."""
 
     def __init__(self, precision: str = "32", timeout: float | None = None) -> None:
         self.timeout = resolve_timeout(timeout)
-        self._precision_name = precision
+        self._precision_name = canonical(precision)
         self._connection: Connection | None = None
         self._accumulation_steps = 1
         self._micro_steps = 0
@@ -319,11 +320,13 @@ class Strategy(ABC):
     # ---- cross-replica values ---------------------------------------------------------------
     _replica_group: Any = None  # the replicas' process group (None: every process is a replica)
 
-    def reduce(self, value: torch.Tensor | Number, op: str = "mean") -> torch.Tensor | Number:
+    def reduce(self, value: torch.Tensor | Number, op: str = "mean", axis: int | None = None) -> torch.Tensor | Number:
         """Combine a tensor or a Python number over all replicas; every replica gets the result.
 
-        ``op`` is one of ``loom.comm``'s: sum, mean, max, min, product.
+        ``op`` is one of ``loom.comm``'s: sum, mean, max, min, product. TF's order and names work
+        too: ``reduce(ReduceOp.SUM, value, axis=None)`` (see ``tf_compat.reduce_arguments``).
         """
+        value, op = reduce_arguments(value, op, axis)
         return cross_replica.reduce(value, op, self._transport(), self.device)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,12 @@ from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.outputs import map_outputs
 
 DTYPES: dict[str, torch.dtype | None] = {"32": None, "bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+KERAS_NAMES = {"float32": "32", "mixed_bfloat16": "bf16-mixed", "mixed_float16": "16-mixed"}  # Keras's policies, same meaning
+
+
+def canonical(name: str) -> str:
+    """loom's name for a precision given by loom's or Keras's name (``"mixed_bfloat16"`` -> ``"bf16-mixed"``)."""
+    return KERAS_NAMES.get(name, name)
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -71,6 +77,7 @@ class Precision:
     """Autocast for the forward pass, and a gradient scaler for fp16 (whose range is narrow)."""
 
     def __init__(self, name: str, device: torch.device) -> None:
+        name = canonical(name)
         if name not in DTYPES:
             raise ValueError(f"unknown precision {name!r}; use one of {', '.join(repr(p) for p in DTYPES)}")
         self.name = name

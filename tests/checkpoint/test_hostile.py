@@ -12,7 +12,7 @@ from torch import nn
 
 import loom
 from loom.checkpoint import committed
-from loom.checkpoint.describe import describe, export
+from loom.checkpoint.describe import describe, model_weights
 from loom.errors import CheckpointError
 from loom.launch.cli import main as cli
 from tests.checkpoint import tamper
@@ -50,7 +50,7 @@ def test_a_bytes_entry_in_the_index_runs_nothing_and_is_refused_naming_file_and_
     with pytest.raises(CheckpointError, match=refused):
         describe(path)  # loom checkpoint inspect
     with pytest.raises(CheckpointError, match=refused):
-        export(path, tmp_path / "model.safetensors")
+        model_weights(path)  # loom checkpoint export
     assert cli(["checkpoint", "verify", str(path)]) == 1
     assert capsys.readouterr().err.splitlines() == [f"{path}/.metadata: 'model.0.weight' is a BytesStorageMetadata, "
                                                     "not the TensorStorageMetadata loom writes for a tensor: refusing to read this checkpoint"]  # fmt: skip

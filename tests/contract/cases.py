@@ -118,14 +118,19 @@ def step_lr(make: Make) -> dict[str, Any]:
 
 
 def reduce_and_gather(make: Make) -> dict[str, Any]:
+    """Over every process that feeds the step: a replica's, or a TPU host's, which covers its devices."""
     strategy = make()
-    mine = strategy.replica_id + 1
+    if isinstance(strategy, loom.TPUStrategy):  # its replicas are devices; one process per host reduces
+        processes, index = strategy.num_hosts, strategy.host_id
+    else:
+        processes, index = strategy.num_replicas_in_sync, strategy.replica_id
+    mine = index + 1
     return {
         "sum": strategy.reduce(mine, "sum"),
         "mean": float(strategy.reduce(torch.tensor(float(mine)), "mean")),
         "max": strategy.reduce(mine, "max"),
         "gathered": strategy.gather(torch.tensor([mine])).tolist(),
-        "replicas": strategy.num_replicas_in_sync,
+        "replicas": processes,
     }
 
 

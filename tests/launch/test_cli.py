@@ -51,8 +51,11 @@ def test_launch_arguments_for_one_node_and_many():
 
 def test_threads_are_split_between_local_processes(monkeypatch):
     monkeypatch.setattr("loom.devices.available_cores", lambda: 16)
-    assert worker_environment(LaunchOptions(nproc=4))["LOOM_THREADS"] == "4"
-    assert worker_environment(LaunchOptions(nproc=4, threads=2, timeout=9))["OMP_NUM_THREADS"] == "2"
+    default = worker_environment(LaunchOptions(nproc=4))
+    assert (default["OMP_NUM_THREADS"], default["LOOM_HOST_PROCESSES"]) == ("4", "4")
+    assert default["LOOM_THREADS"] == "auto"  # each worker divides the cores among the loom processes it finds
+    given = worker_environment(LaunchOptions(nproc=4, threads=2, timeout=9))
+    assert (given["OMP_NUM_THREADS"], given["LOOM_THREADS"]) == ("2", "2")
     assert worker_environment(LaunchOptions(nproc=4, timeout=9))["LOOM_TIMEOUT"] == "9"
 
 

@@ -1,9 +1,11 @@
-"""A TF_CONFIG job of two workers on localhost: one replica per worker, and a visible wait for a late one."""
+"""A TF_CONFIG job of two workers on localhost: one replica per worker, a visible wait for a late one,
+and the host's cores divided between the two workers."""
 
 import json
 import subprocess
 import time
 
+from loom.devices import available_cores
 from tests.helpers import LOOM, ROOT, free_port, job_env, wait_all
 
 
@@ -13,11 +15,12 @@ def _worker(index: int, ports: list[int], script: str) -> subprocess.Popen:
     return subprocess.Popen([*LOOM, "run", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_tf_config_workers_wait_visibly_for_each_other_and_run_one_process_each(tmp_path):
+def test_tf_config_workers_wait_visibly_for_each_other_and_share_the_host(tmp_path):
     script = tmp_path / "who.py"
     script.write_text(
-        "import os\nimport loom\nstrategy = loom.MultiWorkerMirroredStrategy()\n"
+        "import os\nimport torch\nimport loom\nstrategy = loom.MultiWorkerMirroredStrategy()\n"
         "print('replica', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+        "print('threads', strategy.threads, torch.get_num_threads(), flush=True)\n"
         "strategy.print('in sync:', strategy.num_replicas_in_sync)\n"
     )
     ports = [free_port(), free_port()]
@@ -40,4 +43,5 @@ def test_tf_config_workers_wait_visibly_for_each_other_and_run_one_process_each(
     assert code0 == 0 and code1 == 0, err0 + err1
     assert "loom: node 0: all 2 nodes joined after " in err0
     assert "replicas = " not in err1  # said once, by the chief
-    assert sorted(out0.splitlines() + out1.splitlines()) == ["in sync: 2", "replica 0 of 2", "replica 1 of 2"]
+    half = max(1, available_cores() // 2)  # two workers on this host: each takes half its cores
+    assert sorted(out0.splitlines() + out1.splitlines()) == ["in sync: 2", "replica 0 of 2", "replica 1 of 2"] + [f"threads {half} {half}"] * 2

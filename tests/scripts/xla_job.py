@@ -104,7 +104,7 @@ def main() -> None:
     out: dict[str, Any] = {"jax_with_loom": "jax" in sys.modules}  # before any strategy was created
     tpu = loom.get_strategy("tpu")
     out["names"] = [type(loom.get_strategy(n)).__name__ for n in ("tpu", "xla")]
-    out["replicas"] = (tpu.num_replicas_in_sync, tpu.data_parallel_size)
+    out["replicas"] = (tpu.num_replicas_in_sync, tpu.data_parallel_size, tpu.num_hosts, tpu.replica_id)
 
     # equivalence with OneDevice: MLP and CNN (BatchNorm statistics carried through the step)
     for name, model, dataset in (("mlp", mlp, data()), ("cnn", cnn, images())):

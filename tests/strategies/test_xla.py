@@ -48,11 +48,12 @@ def difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def test_found_by_name_and_replicas_are_hosts(job):
+def test_found_by_name_and_replicas_are_the_data_devices(job):
     _, got = job
     assert got["jax_with_loom"] is False  # JAX is imported when a TPUStrategy is created, not by `import loom`
     assert got["names"] == ["TPUStrategy", "TPUStrategy"]
-    assert got["replicas"] == (1, 8)  # one process feeds the step; 8 devices split each batch
+    # as in TF: 8 replicas (the data devices), fed by one process on one host, which drives replica 0 onwards
+    assert got["replicas"] == (8, 8, 1, 0)
 
 
 @pytest.mark.parametrize("case", ["mlp_sgd", "cnn_sgd", "cnn_adamw_steplr"])

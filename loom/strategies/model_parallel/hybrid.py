@@ -30,6 +30,7 @@ from loom.strategies.base import unwrap
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.model_parallel.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
+from loom.strategies.precision import canonical
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.model_parallel.pipeline.strategy import EAGER_REFUSAL, PipelineStep, PipelineStrategy
 from loom.strategies.model_parallel.sharded import blocks, shard_model
@@ -76,7 +77,7 @@ class HybridStrategy(MeshStrategy):
         timeout: float | None = None,
         backend: str | None = None,
     ) -> None:
-        if precision == "16-mixed":
+        if canonical(precision) == "16-mixed":
             raise ValueError(
                 "HybridStrategy cannot skip an fp16 step that overflowed on one process's part of the model only: "
                 "use precision='bf16-mixed', which needs no loss scaling"

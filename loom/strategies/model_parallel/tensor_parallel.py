@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from loom.compat import compiled_module_type, compiled_original
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.strategies.model_parallel.mesh import MeshStrategy, broadcast_states
+from loom.strategies.precision import canonical
 
 # The styles a plan names. "output" is column-wise with its outputs gathered (a model's last
 # layer, whose logits the loss needs whole); "embedding" splits an nn.Embedding's rows.
@@ -68,7 +69,7 @@ class TensorParallelStrategy(MeshStrategy):
     def __init__(
         self, plan: Plan | None = None, precision: str = "32", timeout: float | None = None, backend: str | None = None
     ) -> None:
-        if precision == "16-mixed":
+        if canonical(precision) == "16-mixed":
             raise ValueError(
                 "TensorParallelStrategy cannot skip an fp16 step that overflowed on one process's slice only: "
                 "use precision='bf16-mixed', which needs no loss scaling"

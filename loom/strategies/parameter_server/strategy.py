@@ -33,6 +33,7 @@ from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_tied_tables
 from loom.strategies.parameter_server.remote_embedding import RemoteEmbedding
 from loom.strategies.optimizer import check_owned
+from loom.strategies.precision import canonical
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 from loom.strategies.parameter_server.worker_optimizer import ParameterServerOptimizer, server_rule
 
@@ -83,7 +84,7 @@ class ParameterServerStrategy(Strategy):
         self.synchronous = os.environ.get("LOOM_PS_SYNC") == "1" if synchronous is None else synchronous
         if self.synchronous and self.staleness is not None:
             raise ValueError("synchronous training has no staleness: pass one of staleness=K and synchronous=True")
-        if self.synchronous and precision == "16-mixed":
+        if self.synchronous and canonical(precision) == "16-mixed":
             raise ValueError(
                 "synchronous parameter servers cannot skip an fp16 step that overflowed on one worker on every worker at "
                 "once; use precision='bf16-mixed', or asynchronous training"
@@ -268,8 +269,16 @@ class ParameterServerStrategy(Strategy):
             time.sleep(0.1)
 
     def _wait_until_created(self, clients: Iterable[ServerClient]) -> None:
+        """Wait for the chief to create the variables, at most the job's timeout: a chief that
+        failed (its optimizer refused, say) never will."""
+        give_up = time.monotonic() + self.timeout
         for client in clients:
             while not client.call({"op": "ready"})[0]["ready"]:
+                if time.monotonic() > give_up:
+                    raise LoomError(
+                        f"the chief (worker 0) did not create the variables on the servers within {self.timeout:g}s: it "
+                        "failed or has not started; see its launcher's output (--timeout or LOOM_TIMEOUT sets the wait)"
+                    )
                 time.sleep(0.1)
 
     def _clip_grad_norm(self, params: list[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -66,7 +66,7 @@ class XLATrainStep(TrainStep):
         state = self.state
         state.upload()
         rules = group_rules(state.optimizer)
-        size = batch_len(inputs if targets is None else targets) * strategy.num_replicas_in_sync // strategy.data_parallel_size
+        size = batch_len(inputs if targets is None else targets) * strategy.num_hosts // strategy.data_parallel_size
         micro = min(self.accumulate, size)
         key = (rules, micro)
         if key not in self._programs:

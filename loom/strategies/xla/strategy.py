@@ -20,6 +20,7 @@ from loom.data import DistributedLoader, Pipeline
 from loom.data.sharding import check_global_batch
 from loom.strategies.base import Strategy, unwrap
 from loom.fast.fast_path import refuse as refuse_fast_path
+from loom.strategies.precision import canonical
 from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
 from loom.strategies.xla.hosts import Hosts
@@ -48,7 +49,7 @@ class TPUStrategy(Strategy):
 
     def __init__(self, mesh: dict[str, int] | None = None, precision: str = "32", shard_threshold: int = 1 << 16,
                  seed: int = 0, timeout: float | None = None) -> None:  # fmt: skip
-        if precision == "16-mixed":
+        if canonical(precision) == "16-mixed":
             raise ValueError("TPUStrategy runs mixed precision in bfloat16 (no loss scaling on XLA): use precision='bf16-mixed'")
         super().__init__(precision=precision, timeout=timeout)
         self._jax = runtime.require()
@@ -57,21 +58,31 @@ class TPUStrategy(Strategy):
         self._key = self._jax.random.key(seed)
         self._hosts = Hosts(self._jax)
 
-    # ---- topology: a replica of the loop is a host's process, which drives all of its devices
+    # ---- topology: TF's replicas are the data axis's devices; one process per host feeds them
     @property
     def num_replicas_in_sync(self) -> int:
-        """Processes (one per host) feeding the step: each gets its hosts' share of every global batch."""
-        return self._jax.process_count()
-
-    @property
-    def replica_id(self) -> int:
-        """This host's index; 0 on one machine."""
-        return self._jax.process_index()
+        """Devices on the mesh's ``data`` axis, as in TF: ``per_replica_batch * num_replicas_in_sync`` is the global batch."""
+        return self.plan.data_size
 
     @property
     def data_parallel_size(self) -> int:
         """Devices on the mesh's ``data`` axis: each computes the gradient of its slice of the batch."""
         return self.plan.data_size
+
+    @property
+    def num_hosts(self) -> int:
+        """Processes (one per host) feeding the step: each reads its host's share of every global batch."""
+        return self._jax.process_count()
+
+    @property
+    def host_id(self) -> int:
+        """This host's index, 0 .. num_hosts - 1; 0 on one machine."""
+        return self._jax.process_index()
+
+    @property
+    def replica_id(self) -> int:
+        """The first replica (data device) this host drives; host 0 drives replica 0."""
+        return self.host_id * (self.data_parallel_size // self.num_hosts)
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +137,7 @@ class TPUStrategy(Strategy):
         if batch is None:
             return None
         sharding = self.plan.batch()
-        local = self.plan.data_size // self.num_replicas_in_sync
+        local = self.plan.data_size // self.num_hosts
 
         def put(t: torch.Tensor) -> Any:
             copy = feed.attached(t)
@@ -153,8 +164,7 @@ class TPUStrategy(Strategy):
         ``batch_size`` must split evenly over the data devices. The uneven last batch is padded
         as under every strategy; ``valid_count(k)`` says how many of batch k's samples are real.
         """
-        jax = self._jax
-        hosts, host = jax.process_count(), jax.process_index()
+        hosts, host = self.num_hosts, self.host_id
         if isinstance(data, Pipeline):
             inner = data.loader(hosts, host, self.device, batch_size, shard_by)
         else:
@@ -163,6 +173,13 @@ class TPUStrategy(Strategy):
         check_global_batch(inner.global_batch, self.data_parallel_size)
         sharding = self.plan.batch()
         return feed.DeviceLoader(inner, self.data_parallel_size // hosts, lambda t: feed.device_array(t, sharding))
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[..., Any], options: Any = None) -> Any:
+        """Refused: one pipeline per host feeds all of its devices."""
+        raise NotImplementedError(
+            "TPUStrategy feeds all of a host's devices from one pipeline: use strategy.distribute(dataset, "
+            "batch_size=GLOBAL_BATCH) instead of distribute_datasets_from_function"
+        )
 
     # ---- values across hosts: each host's value covers its devices' samples ------------------
     def _transport(self) -> Hosts:

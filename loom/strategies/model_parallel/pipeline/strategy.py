@@ -39,7 +39,7 @@ from loom.strategies.optimizer import StrategyOptimizer, check_owned
 from loom.strategies.model_parallel.pipeline.runner import SCHEDULES, PipelineRunner
 from loom.strategies.model_parallel.pipeline.state import held_tensors, named_groups, stage_view
 from loom.strategies.model_parallel.pipeline.split import Layers, check_untied, describe, find_layers, owned_tensors, refuse_batchnorm, split_bounds, time_costs
-from loom.strategies.precision import AutocastModule
+from loom.strategies.precision import AutocastModule, canonical
 from loom.strategies.step import TrainStep, _concat, batch_len, slice_batch
 
 _SAVE_OPTIONS = ("step", "keep", "async_save", "durable")
@@ -384,7 +384,7 @@ def _check_options(schedule: str, virtual_stages: int, balance: str, example_inp
         raise ValueError(f"balance must be 'params' or 'time', got {balance!r}")
     if balance == "time" and example_inputs is None:
         raise ValueError("balance='time' times each layer on an example batch: pass example_inputs=(a batch of inputs)")
-    if precision == "16-mixed":
+    if canonical(precision) == "16-mixed":
         raise ValueError(
             "PipelineStrategy cannot run precision='16-mixed': one stage's fp16 overflow would have to skip the step "
             "on every stage; use precision='bf16-mixed'"

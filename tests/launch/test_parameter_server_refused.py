@@ -1,0 +1,72 @@
+"""A parameter-server job ends when its chief cannot start: its optimizer (RMSprop) is refused.
+
+Before, the other worker waited for ever for variables the chief would never create, and the
+servers for that worker. Now every task exits, and the chief's launcher names it and why: on one
+machine its launcher stops the others at once; with a launcher per task (TF_CONFIG), the other
+worker gives up after the job's timeout, naming the chief, and the servers follow.
+"""
+
+import json
+import subprocess
+import time
+
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env
+
+SCRIPT = str(SCRIPTS / "ps_refused.py")
+TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
+WITHIN = 60  # seconds every task has, once the chief has failed
+REFUSED = "failed: ValueError: RMSprop cannot run on the parameter servers; use SGD"
+
+
+def _ends(procs: list[subprocess.Popen], limit: float) -> list[float]:
+    """When each process ended (monotonic); the test fails, killing them, if any outlives ``limit``."""
+    ends: dict[int, float] = {}
+    deadline = time.monotonic() + limit
+    while len(ends) < len(procs):
+        for i, proc in enumerate(procs):
+            if i not in ends and proc.poll() is not None:
+                ends[i] = time.monotonic()
+        if time.monotonic() > deadline:
+            for proc in procs:
+                proc.kill()
+            raise AssertionError(f"tasks {sorted(set(range(len(procs))) - set(ends))} still ran after {limit}s")
+        time.sleep(0.05)
+    return [ends[i] for i in range(len(procs))]
+
+
+def _start(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
+    log = (tmp_path / "job.log").open("w")
+    job = _start([*LOOM, "run", "--ps", "1", "--workers", "2", "--timeout", str(TIMEOUT), SCRIPT], job_env(), log)
+    _ends([job], limit=150)  # on a loaded machine the start alone takes a while
+    output = (tmp_path / "job.log").read_text()
+    assert job.returncode == 1, output[-3000:]
+    line = output.splitlines()[-1]
+    assert line.startswith(f"loom: job failed: worker 0, the chief (pid ") and REFUSED in line, output[-3000:]
+    assert line.endswith("; stopping this job's other tasks here")
+    assert output.count("Traceback (most recent call last)") == 1  # the chief's, printed once by its launcher
+
+
+def test_tasks_started_from_tf_config_all_exit_when_the_chief_is_refused(tmp_path):
+    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(TIMEOUT)})
+    tasks = [("ps", 0), ("chief", 0), ("worker", 0)]
+    procs = [
+        _start([*LOOM, "run", SCRIPT], {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})},
+               (tmp_path / f"{kind}.log").open("w"))  # fmt: skip
+        for kind, i in tasks
+    ]
+    ends = _ends(procs, limit=170)
+    chief_failed = ends[1]
+    assert max(ends) - chief_failed <= WITHIN, f"the last task ended {max(ends) - chief_failed:.0f}s after the chief"
+    server, chief, worker = ((tmp_path / f"{kind}.log").read_text() for kind, _ in tasks)
+    assert procs[1].returncode == 1 and procs[2].returncode == 1, chief[-2000:] + worker[-2000:]
+    assert f"loom: job failed: worker 0, the chief (pid " in chief and REFUSED in chief.splitlines()[-1], chief[-3000:]
+    assert worker.splitlines()[-1] == (
+        f"loom: job finished with failures: worker 1 failed: LoomError: the chief (worker 0) did not create the variables on the "
+        f"servers within {TIMEOUT}s: it failed or has not started; see its launcher's output (--timeout or LOOM_TIMEOUT sets the wait)"
+    ), worker[-3000:]
+    assert procs[0].returncode == 0 and "every worker has finished; exiting" in server, server[-2000:]
