@@ -7,6 +7,7 @@ from loom import strategies
 from loom.launch import launch
 from loom.strategies import (
     DiLoCoStrategy,
+    FaultTolerantMirroredStrategy,
     LocalSGDStrategy,
     Mesh,
     MirroredStrategy,
@@ -30,6 +31,7 @@ __all__ = [
     "ClusterSpec",
     "DiLoCoStrategy",
     "EarlyStopping",
+    "FaultTolerantMirroredStrategy",
     "HybridStrategy",
     "LaunchError",
     "LocalSGDStrategy",
