@@ -73,7 +73,7 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
         lighthouse = server.address()
     else:
         lighthouse = check_lighthouse(lighthouse)
-    events = tempfile.mkdtemp(prefix="loom-groups-")
+    events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
     nproc = opts.processes()
     threads = opts.threads or thread_budget(groups * nproc)
     env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events}
@@ -106,7 +106,8 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
             proc.wait()
         if server is not None:
             server.shutdown()
-        shutil.rmtree(events, ignore_errors=True)
+        if events != os.environ.get(EVENTS_ENV):
+            shutil.rmtree(events, ignore_errors=True)
     return 1 if failed else 0
 
 

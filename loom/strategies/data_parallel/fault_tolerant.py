@@ -206,6 +206,8 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
             rank, count = self._manager.participating_rank(), self._manager.num_participants()
             members = tuple(sorted({r // self.group_size for r in self._manager._pg._global_ranks or [self.group]}))
             start, stop = group_slice(self._global_batch, self.group_size, rank, count)
+            if self.membership is None or self.membership.quorum_id != self._manager._quorum_id:
+                self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
             self.membership = Membership(batch, members, count, rank, self._manager._quorum_id, start, stop)
             self._in_step = True
             return batch
