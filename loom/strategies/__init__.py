@@ -41,7 +41,6 @@ def __getattr__(name: str) -> Any:
 STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one loaded on first use
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
-    "fault_tolerant": FaultTolerantMirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
     "parameter_server": ParameterServerStrategy,
     "sharded": "ShardedStrategy",
@@ -52,6 +51,7 @@ STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one l
     "xla": TPUStrategy,
     "local_sgd": LocalSGDStrategy,
     "diloco": DiLoCoStrategy,
+    "fault_tolerant": FaultTolerantMirroredStrategy,
 }
 
 

@@ -1,5 +1,7 @@
 """A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches.
 
+``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
+
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
@@ -53,13 +55,27 @@ def _rejoining(group: int) -> bool:
     return any(json.loads(l)["event"] == "joining" and json.loads(l)["restart"] > 0 for l in lines)
 
 
+def _refusal(call) -> str:
+    try:
+        call()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "not refused"
+
+
 def main(out: Path) -> None:
     strategy = loom.auto_strategy()
     group, rank = strategy.group, strategy.cluster.rank
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
     hold_at = int(os.environ.get("HOLD_AT", -1))
+    if os.environ.get("CHECK_REFUSALS"):
+        refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
     model, opt = strategy.prepare(make_model(group + 1), optimizer)  # groups start unequal: the start-up sync makes them equal
+    if os.environ.get("CHECK_REFUSALS"):
+        refusals += [_refusal(lambda: strategy.prepare(make_model(0), optimizer)), _refusal(opt.step)]
+        refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
+        (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):

@@ -77,7 +77,7 @@ def _samples_per_epoch(steps):
 
 @pytest.mark.timeout(300)
 def test_groups_without_failure_equal_one_device(tmp_path):
-    job = _start(tmp_path, "--groups", "2", "--nproc", "2")
+    job = _start(tmp_path, "--groups", "2", "--nproc", "2", env={"CHECK_REFUSALS": "1"})
     _finish(job, 280)
     steps = _steps(tmp_path)
     assert {s["replicas"] for s in steps} == {4}  # 2 groups x 2 processes
@@ -85,6 +85,16 @@ def test_groups_without_failure_equal_one_device(tmp_path):
     final = {(g, r): torch.load(tmp_path / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
     for weights in final.values():
         _assert_close(weights, _one_device())
+    refusals = json.loads((tmp_path / "refusals-1-1.json").read_text())
+    assert refusals[0].startswith("under --groups a restarted group heals with the optimizer's state too: pass the optimizer")
+    assert refusals[1] == "FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once"
+    assert refusals[2].startswith("under --groups each step trains the batch that strategy.distribute(...) hands out")
+    assert refusals[3].startswith("under --groups every step trains a whole global batch, but 96 samples leave a last batch of 44")
+
+
+def test_fp16_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'"):
+        loom.FaultTolerantMirroredStrategy(precision="16-mixed")
 
 
 @pytest.mark.timeout(300)

@@ -73,13 +73,13 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     """
 
     def __init__(self, precision: str = "32", timeout: float | None = None, **options: Any) -> None:
+        if precision == "16-mixed":
+            raise ValueError("FaultTolerantMirroredStrategy cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
         if not in_groups():
             raise LaunchError(
                 "FaultTolerantMirroredStrategy trains replica groups that a lighthouse coordinates: start the script "
                 "with `loom run --groups G --nproc N script.py`"
             )
-        if precision == "16-mixed":
-            raise ValueError("FaultTolerantMirroredStrategy cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
         super().__init__(precision=precision, timeout=timeout, **options)
         self.group = int(os.environ[GROUP_ENV])
         self.groups = int(os.environ.get(GROUPS_ENV, self.group + 1))
