@@ -102,12 +102,12 @@ def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_o
     die_at, hold_at = 3, 5
     job = _start(tmp_path, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at)})
     deadline = time.monotonic() + 240
-    while not (tmp_path / "dying").exists():
+    dying = tmp_path / "dying"
+    while not (dying.exists() and dying.read_text()):  # the pid, once written whole
         assert job.poll() is None, job.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "group 1 never reached the batch it dies in"
         time.sleep(0.05)
-    time.sleep(0.05)  # the pid is written before the file is closed
-    subprocess.run(["kill", "-9", (tmp_path / "dying").read_text()], check=True)
+    subprocess.run(["kill", "-9", dying.read_text()], check=True)
     err = _finish(job, max(deadline - time.monotonic(), 30))
 
     steps = _steps(tmp_path)
