@@ -25,8 +25,10 @@ the processes of this group only (they run outside the step, where a group may b
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -100,6 +102,8 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         """
         from torchft import Manager, ProcessGroupGloo
 
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a warning about NCCL's flight recorder at every quorum
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch, reading a heal's bytes
         timeout = timedelta(seconds=self.timeout)
 
         def make() -> Any:
