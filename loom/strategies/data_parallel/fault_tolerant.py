@@ -216,7 +216,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
             self._in_step = True
             return batch
 
-    def _process_slice(self, batch_size: int) -> tuple[int, int]:
+    def _process_slice(self) -> tuple[int, int]:
         """Samples of the global batch that this process trains: its part of the group's slice."""
         m = self.membership
         each = m.samples // self.group_size

@@ -97,6 +97,6 @@ class GroupLoader:
             batch = self.strategy._next_batch(end=first + len(self))
             if batch is None:
                 return
-            start, stop = self.strategy._process_slice(self.global_batch)
+            start, stop = self.strategy._process_slice()
             members = order[(batch - first) * self.global_batch :][start:stop].tolist()
             yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)
