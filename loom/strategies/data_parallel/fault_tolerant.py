@@ -13,7 +13,8 @@ group cannot corrupt, only make fail. One step, the whole contract:
 2. data: global batch ``d`` (``d`` = steps the job has committed) is split among the groups
    that are not healing, then among each group's N processes (``fault_tolerant_data``).
 3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
-   the batch, is summed across groups: the mean gradient of the whole global batch.
+   the batch, is summed across groups: the mean gradient of the whole global batch. Process r
+   of a group sums only the r-th of N parts with the other groups, then the group gathers them.
 4. commit: the optimizer steps only if every group's all-reduce completed (torchft's
    ``should_commit``); if a group died mid-step, nobody applies the step and batch ``d`` is
    trained again in the next step by the groups alive then. A batch is applied once, whole.
@@ -35,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ReduceOp
 
@@ -232,8 +234,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._in_step = False
         weight = self.membership.samples / self._global_batch
         flats = [_flatten(bucket).mul_(weight) for bucket in self._buckets]
-        for work in [self._manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats]:
-            work.wait()
+        self._sum_across_groups(flats)
         committed = self.committed = self._manager.should_commit()
         if committed:
             for bucket, flat in zip(self._buckets, flats):
@@ -241,11 +242,29 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
         return committed
 
+    def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
+        """Sum each bucket over the groups, in place: process r of each group sums the r-th of N parts
+        with process r of the others (torchft's managed all-reduce), then the group gathers the parts."""
+        n, rank = self.group_size, self.cluster.rank
+        if n == 1:
+            return self._managed_sum(flats)
+        padded = [F.pad(flat, (0, -flat.numel() % n)) for flat in flats]
+        mine = [p.view(n, -1)[rank].clone() for p in padded]
+        self._managed_sum(mine)
+        with self._guard():
+            for p, part in zip(padded, mine):
+                dist.all_gather(list(p.view(n, -1).unbind(0)), part)
+        for flat, summed in zip(flats, padded):
+            flat.copy_(summed[: flat.numel()])
+
+    def _managed_sum(self, tensors: list[torch.Tensor]) -> None:
+        for work in [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]:
+            work.wait()  # a failure is the Manager's to report: should_commit then says no
+
     def _ghost_step(self, started: float) -> None:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
         flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
-        for work in [self._manager.allreduce(flat, reduce_op=ReduceOp.SUM) for flat in flats]:
-            work.wait()
+        self._sum_across_groups(flats)
         if not self._manager.should_commit():  # loads the live group's state before deciding
             return
         for bucket, flat in zip(self._buckets, flats):
