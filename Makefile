@@ -9,8 +9,8 @@ $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	# Pinned first and alone: a looser request would pull a CUDA build of several GB.
 	$(PYTHON) -m pip install -q torch==2.13.0
-	# The xla extra (torchax, JAX on CPU) pins torch too, so it can never replace it.
-	$(PYTHON) -m pip install -q -e ".[dev,xla]" torch==2.13.0
+	# The xla extra (torchax, JAX on CPU) pins torch too, so it can never replace it; ft (torchft) installs beside it.
+	$(PYTHON) -m pip install -q -e ".[dev,xla,ft]" torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PYTHON) bench/xla.py
 	$(PYTHON) bench/collective_record.py
 	$(PYTHON) bench/breakdown_overhead.py
+	$(PYTHON) bench/live_recovery.py
 	-$(PYTHON) bench/parameter_server.py  # needs root for its network namespaces; says so otherwise
 	-$(PYTHON) bench/slow_link.py         # the same
 

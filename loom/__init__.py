@@ -7,6 +7,7 @@ from loom import strategies
 from loom.launch import launch
 from loom.strategies import (
     DiLoCoStrategy,
+    FaultTolerantMirroredStrategy,
     LocalSGDStrategy,
     Mesh,
     MirroredStrategy,
@@ -32,6 +33,7 @@ __all__ = [
     "ClusterSpec",
     "DiLoCoStrategy",
     "EarlyStopping",
+    "FaultTolerantMirroredStrategy",
     "HybridStrategy",
     "InputContext",
     "LaunchError",

@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ps-checkpoint-dir", help="where parameter servers save their state (with --ps; default: a temporary directory)")
     run.add_argument("--ps-tls-cert", help="parameter servers: PEM certificate for TLS, naming every server's host (or LOOM_PS_TLS_CERT)")
     run.add_argument("--ps-tls-key", help="parameter servers: the certificate's private key, where servers run (or LOOM_PS_TLS_KEY)")
+    run.add_argument("--groups", type=int, help="replica groups of --nproc processes each, on this machine: a group that fails is restarted (--max-restarts) and heals while the others train on")
+    run.add_argument("--lighthouse", help="with --groups: HOST:PORT of a torchft lighthouse started elsewhere (default: one started here)")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
     scale = commands.add_parser("scale", help="run a training script at several sizes and chart samples/s against replicas")
@@ -120,6 +122,16 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
     for key, tensor in info["tensors"].items():
         print(f"  {key:<{width}}  {tensor['dtype']:<9} {tensor['shape']}")
     return 0
+
+
+def _groups_command(entry: list[str], opts: LaunchOptions, args: argparse.Namespace) -> int:
+    from loom.launch.groups import run_groups
+
+    if args.groups is None:
+        raise LaunchError("--lighthouse is for replica groups: add --groups G")
+    if args.ps is not None or args.ps_hosts or args.workers is not None:
+        raise LaunchError("--groups replicates the model in every group; parameter servers (--ps, --ps-hosts, --workers) shard it instead: use one or the other")
+    return run_groups(entry, opts, args.groups, args.lighthouse)
 
 
 def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
@@ -193,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
+        if args.groups is not None or args.lighthouse:
+            return _groups_command(entry, opts, args)
         ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads, opts.timeout)
         if args.ps is not None:
             if args.ps_hosts or args.role:

@@ -179,11 +179,16 @@ def interface_towards(address: str) -> str | None:
     return None
 
 
-def run_job(entry: list[str], opts: LaunchOptions) -> int:
-    """Run this node's workers to completion; returns the exit code for the launching process."""
+def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) -> int:
+    """Run this node's workers to completion; returns the exit code for the launching process.
+
+    ``layout`` replaces the processes' part of the job's first line (a replica group says which it is).
+    """
     argv = torchrun_argv(opts, entry)
     wait_report = wait_report_interval()
     os.environ.update(worker_environment(opts))
+    if layout is not None:
+        os.environ[LAYOUT_ENV] = layout
     node = opts.node()
     world_size = node.nnodes * opts.processes()
     # torchrun's own logging repeats what loom.launch.failures says in one line.

@@ -7,7 +7,9 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from loom.cluster import TorchrunEnvironment
+from loom.comm.groups import in_groups
 from loom.strategies.base import Strategy, unwrap
+from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy
 from loom.strategies.data_parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from loom.strategies.model_parallel.mesh import Mesh
 from loom.strategies.data_parallel.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
@@ -49,6 +51,7 @@ STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one l
     "xla": TPUStrategy,
     "local_sgd": LocalSGDStrategy,
     "diloco": DiLoCoStrategy,
+    "fault_tolerant": FaultTolerantMirroredStrategy,
 }
 
 
@@ -64,10 +67,13 @@ def get_strategy(name: str, **options: Any) -> Strategy:
 def auto_strategy(**options: Any) -> Strategy:
     """What a job started this way needs: one device alone, Mirrored on one node, else multi-worker.
 
-    A worker that ``loom run --ps N --workers M`` started gets ParameterServerStrategy.
+    A worker that ``loom run --ps N --workers M`` started gets ParameterServerStrategy; one that
+    ``loom run --groups G`` started, FaultTolerantMirroredStrategy.
     """
     if os.environ.get("LOOM_PS_SERVERS"):
         return ParameterServerStrategy(**options)
+    if in_groups():
+        return FaultTolerantMirroredStrategy(**options)
     if not TorchrunEnvironment.detect() or TorchrunEnvironment.resolve().world_size == 1:
         return OneDeviceStrategy(**options)
     if TorchrunEnvironment.resolve().nnodes == 1:
@@ -78,6 +84,7 @@ def auto_strategy(**options: Any) -> Strategy:
 __all__ = [
     "STRATEGIES",
     "DiLoCoStrategy",
+    "FaultTolerantMirroredStrategy",
     "HybridStrategy",
     "LocalSGDStrategy",
     "Mesh",

@@ -1,0 +1,200 @@
+"""Replica groups (``loom run --groups``): what they cost with no failure, and how a kill -9 is recovered from.
+
+Overhead: W1 (MLP 784-2048x3-10, global batch 512, SGD with momentum) trained by the same script
+under ``loom run --groups 2 --nproc 1`` (FaultTolerantMirroredStrategy) and ``loom run --nproc 2``
+(MirroredStrategy): two processes either way, jobs interleaved (Mirrored, groups, Mirrored, ...),
+median step time of each job after its warm-up steps.
+
+Recovery: the same job with ``--max-restarts 1``; once group 1 has trained a few steps it is
+killed with SIGKILL, and the groups' own events give each phase, in seconds after the kill:
+detection (group 0's first step that failed or waited on it), quorum (the lighthouse's membership
+without it), group 0's first committed step without it, the restarted process's start, its
+request to join, its heal (weights and optimizer state from group 0, no checkpoint) and its
+first committed step. The survivors hold after batch HOLD until the restarted group asks to
+join, so the heal is measured whatever the restart costs.
+
+    python bench/live_recovery.py [--rounds 2] [--steps 30]
+
+Writes bench/results/live_recovery.json and .png. Run as a job's script (by the above), it trains.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.time()  # before torch is imported: a restarted process's start
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+KILL_AFTER, HOLD = 5, 12  # group 1 is killed once it has committed this many batches; group 0 holds after batch HOLD
+
+
+# ---- the training script (run by loom run) ---------------------------------------------------------
+def train(out: Path, steps: int) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import loom
+    from workloads import WORKLOADS
+
+    w1 = WORKLOADS["W1"]
+    strategy = loom.auto_strategy()
+    group = getattr(strategy, "group", 0)
+    record = strategy.cluster.rank == 0
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(w1.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+    loader = strategy.distribute(w1.data(batches=8), batch_size=w1.global_batch)
+    log = open(out / f"steps-{group}.jsonl", "a") if record else None
+    if log:
+        log.write(json.dumps({"started": STARTED, "pid": os.getpid()}) + "\n")
+    done = 0
+    while done < steps:
+        for x, y in loader:
+            strategy.backward(F.cross_entropy(model(x), y))
+            opt.step()
+            opt.zero_grad()
+            m = getattr(strategy, "membership", None)
+            batch = m.batch if m else done
+            if log:
+                log.write(json.dumps({"t": time.time(), "batch": batch, "committed": getattr(strategy, "committed", True)}) + "\n")
+                log.flush()
+            if m and batch == HOLD and group == 0 and os.environ.get("HOLD_FOR_REJOIN"):
+                while not _asked_to_join(1):
+                    time.sleep(0.05)
+            done = batch + 1
+            if done >= steps:
+                break
+
+
+def _asked_to_join(group: int) -> bool:
+    path = Path(os.environ["LOOM_FT_EVENTS"]) / f"group-{group}.jsonl"
+    return path.exists() and any(json.loads(line).get("restart", 0) > 0 for line in path.read_text().splitlines() if '"joining"' in line)
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+def _job(out: Path, steps: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    (out / "events").mkdir()
+    return subprocess.Popen(
+        [sys.executable, "-m", "loom.launch.cli", "run", *flags, __file__, "--train", str(out), "--steps", str(steps)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LOOM_FT_EVENTS": str(out / "events"), **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _finish(job: subprocess.Popen, timeout: float = 900) -> str:
+    _, err = job.communicate(timeout=timeout)
+    if job.returncode:
+        raise SystemExit(f"a benchmark job failed ({job.returncode}):\n{err[-3000:]}")
+    return err
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def median_step(out: Path, warmup: int = 3) -> float:
+    times = [s["t"] for s in _lines(out / "steps-0.jsonl") if "t" in s]
+    gaps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
+    return statistics.median(gaps)
+
+
+def overhead(rounds: int, steps: int) -> dict:
+    seconds: dict[str, list[float]] = {"MirroredStrategy (--nproc 2)": [], "FaultTolerantMirrored (--groups 2 --nproc 1)": []}
+    for _ in range(rounds):
+        for name, flags in zip(seconds, (["--nproc", "2"], ["--groups", "2", "--nproc", "1"])):
+            out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
+            _finish(_job(out, steps, *flags))
+            seconds[name].append(median_step(out))
+    mirrored, groups = (statistics.median(v) for v in seconds.values())
+    return {"median_step_s": seconds, "overhead": groups / mirrored - 1}
+
+
+def recovery(steps: int) -> dict:
+    out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
+    job = _job(out, steps, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"HOLD_FOR_REJOIN": "1"})
+    deadline = time.monotonic() + 600
+    while len([s for s in _lines(out / "steps-1.jsonl") if s.get("committed")]) < KILL_AFTER:
+        if job.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"group 1 never trained {KILL_AFTER} steps:\n{job.communicate()[1][-3000:]}")
+        time.sleep(0.02)
+    pid = _lines(out / "steps-1.jsonl")[0]["pid"]
+    killed = time.time()
+    os.kill(pid, 9)
+    err = _finish(job)
+    return phases(out, killed) | {"launcher_lines": [line for line in err.splitlines() if line.startswith("loom: ") and "group" in line]}
+
+
+def phases(out: Path, killed: float) -> dict:
+    """Seconds after the kill of each recovery phase, from the groups' events and step logs."""
+    events = [e for g in (0, 1) for e in _lines(out / "events" / f"group-{g}.jsonl")]
+    after = sorted((e for e in events if e["t"] > killed), key=lambda e: e["t"])
+    survivor = [e for e in after if e["group"] == 0]
+    healer = [e for e in after if e["group"] == 1]
+    quorum = next(e for e in survivor if e["event"] == "quorum" and e["groups"] == [0])
+    healed = next(e for e in healer if e["event"] == "healed")
+    restart = next(s for s in _lines(out / "steps-1.jsonl") if s.get("started", 0) > killed)
+    return {
+        "detection": next(e for e in survivor if e["event"] in ("refused", "quorum"))["t"] - killed,
+        "quorum_without_it": quorum["t"] - killed,
+        "first_commit_without_it": next(e for e in survivor if e["event"] == "commit" and e["groups"] == [0])["t"] - killed,
+        "restarted_process_started": restart["started"] - killed,
+        "asked_to_join": next(e for e in healer if e["event"] == "joining")["t"] - killed,
+        "healed": healed["t"] - killed,
+        "heal_seconds": healed["seconds"],
+        "healed_group_first_commit": next(e for e in healer if e["event"] == "commit" and e["t"] > healed["t"])["t"] - killed,
+    }
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(results["overhead"]["median_step_s"])
+    left.bar(range(len(names)), [statistics.median(v) * 1e3 for v in results["overhead"]["median_step_s"].values()], color=["#888", "#c44"])
+    left.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+    left.set_ylabel("median step (ms)")
+    left.set_title(f"W1, 2 processes: groups cost {results['overhead']['overhead']:+.1%}")
+    phases_ = {k: v for k, v in results["recovery"].items() if k not in ("launcher_lines", "heal_seconds")}
+    right.barh(range(len(phases_)), list(phases_.values()), color="#48c")
+    right.set_yticks(range(len(phases_)), [k.replace("_", " ") for k in phases_], fontsize=8)
+    right.invert_yaxis()
+    right.set_xlabel("seconds after kill -9 of group 1")
+    right.set_title(f"recovery (heal itself {results['recovery']['heal_seconds']:.2f}s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=2, help="jobs of each kind, interleaved")
+    parser.add_argument("--steps", type=int, default=30, help="steps per overhead job")
+    parser.add_argument("--train", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.train:
+        return train(Path(args.train), args.steps)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from workloads import RESULTS, machine, save
+
+    results = {"machine": machine(), "command": "python bench/live_recovery.py " + " ".join(sys.argv[1:])}
+    results["overhead"] = overhead(args.rounds, args.steps)
+    results["recovery"] = recovery(steps=HOLD + 10)
+    path = save("live_recovery", results)
+    plot(results, RESULTS / "live_recovery.png")
+    print(json.dumps({k: results[k] for k in ("overhead", "recovery")}, indent=2))
+    print(f"wrote {path} and {RESULTS / 'live_recovery.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Replica groups on one machine: ``loom run --groups G --nproc N script.py``.
+
+The launcher starts a torchft lighthouse (or uses ``--lighthouse HOST:PORT``) and G groups, each
+one ``loom run --nproc N`` of its own: torchrun's agent, restarting the group's processes up to
+``--max-restarts`` times when one fails, while the other groups train on. A restarted group
+rejoins at the next step and heals from a live group (``FaultTolerantMirroredStrategy``). From
+the groups' events the launcher says, in one line each, when a group left, rejoined and healed,
+and how long each took.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from loom.comm.groups import EVENTS_ENV, GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventReader
+from loom.devices import thread_budget
+from loom.errors import LaunchError
+from loom.launch.parameter_server import _die_with_parent
+from loom.launch.torchrun import LaunchOptions, run_job
+
+# A group whose heartbeat the lighthouse has not heard for this long is out of the next quorum:
+# the time the others wait after a group dies. Too short, and a busy machine drops live groups.
+HEARTBEAT_TIMEOUT_MS = int(os.environ.get("LOOM_FT_HEARTBEAT_TIMEOUT_MS", "2000"))
+# Past a failure the lighthouse waits this long for groups that heartbeat but have not asked to join.
+JOIN_TIMEOUT_MS = 1000
+
+
+def _say(message: str) -> None:
+    print(f"loom: {message}", file=sys.stderr, flush=True)
+
+
+def start_lighthouse() -> Any:
+    """A lighthouse in this process, on a free port, that forms a quorum of any one group or more."""
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+    )
+
+
+def check_lighthouse(address: str) -> str:
+    """``HOST:PORT`` of a lighthouse started elsewhere, as torchft takes it; one line when it cannot be reached."""
+    host, _, port = address.removeprefix("http://").rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(f"--lighthouse takes HOST:PORT (e.g. node0:29510), not {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as error:
+        raise LaunchError(
+            f"the lighthouse at {host}:{port} cannot be reached ({error.strerror or error}): start it there with "
+            "`torchft_lighthouse --min_replicas 1 --bind [::]:PORT`, or leave --lighthouse out to start one here"
+        ) from None
+    return f"http://{host}:{port}"
+
+
+def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: str | None = None) -> int:
+    """Run ``groups`` replica groups of ``opts.nproc`` processes here until every group is done."""
+    if groups < 1:
+        raise LaunchError(f"--groups takes a number of replica groups, at least 1 (got {groups})")
+    if opts.node().nnodes > 1:
+        raise LaunchError("--groups starts every group on this machine; it does not take --nnodes (one lighthouse, groups here)")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log says every quorum and commit, at info
+    server = None
+    if lighthouse is None:
+        server = start_lighthouse()
+        lighthouse = server.address()
+    else:
+        lighthouse = check_lighthouse(lighthouse)
+    events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
+    nproc = opts.processes()
+    threads = opts.threads or thread_budget(groups * nproc)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events}
+    running = {g: _start_group(g, entry, opts, nproc, threads, env, groups) for g in range(groups)}
+    failed: dict[int, int] = {}
+    stopped: list[subprocess.Popen] = []
+    reader, lines = EventReader(events), MembershipLines()
+    try:
+        while running:
+            time.sleep(0.1)
+            exited = {g: code for g, code in ((g, p.poll()) for g, p in running.items()) if code is not None}
+            for event in reader.read():  # after the poll: an exited group's last events are in
+                for line in lines.feed(event):
+                    _say(line)
+            for g, code in exited.items():
+                if running.pop(g, None) is None:
+                    continue  # stopped above, as late
+                if code:
+                    failed[g] = code
+                    _say(f"group {g} failed for good (exit code {code}, after {opts.max_restarts} restart(s)); the others train on")
+                    continue
+                for late in sorted(set(running) - lines.last_groups.get(g, set(running))):
+                    _say(f"group {late} stopped: the job finished (group {g} trained its last batch) while it was restarting")
+                    stopped.append(running.pop(late))
+                    stopped[-1].terminate()
+    finally:
+        for proc in running.values():
+            proc.terminate()
+        for proc in [*running.values(), *stopped]:
+            proc.wait()
+        if server is not None:
+            server.shutdown()
+        if events != os.environ.get(EVENTS_ENV):
+            shutil.rmtree(events, ignore_errors=True)
+    return 1 if failed else 0
+
+
+def _start_group(group: int, entry: list[str], opts: LaunchOptions, nproc: int, threads: int, env: dict[str, str], groups: int) -> subprocess.Popen:
+    timeout = "-" if opts.timeout is None else str(opts.timeout)
+    command = [sys.executable, "-m", "loom.launch.groups", str(group), str(groups), str(nproc), str(opts.max_restarts), str(threads), timeout, *entry]
+    return subprocess.Popen(command, env={**env, GROUP_ENV: str(group)}, preexec_fn=_die_with_parent)
+
+
+class MembershipLines:
+    """The launcher's lines from the groups' events: a group left, rejoined, healed; a step not applied."""
+
+    def __init__(self) -> None:
+        self.members: set[int] | None = None
+        self.last_with: dict[int, float] = {}  # group -> when the last step with it committed
+        self.left_at: dict[int, float] = {}  # group -> when the first step without it committed
+        self.refused: set[int] = set()
+        self.last_groups: dict[int, set[int]] = {}  # group -> the groups of the last step it committed
+
+    def feed(self, event: dict[str, Any]) -> list[str]:
+        kind, t = event["event"], event["t"]
+        if kind == "healed":
+            return [f"group {event['group']} healed at batch {event['batch']} in {event['seconds']:.1f}s (a live group's weights and optimizer state, no checkpoint)"]
+        if kind == "refused":
+            if event["batch"] in self.refused:
+                return []
+            self.refused.add(event["batch"])
+            return [f"batch {event['batch']} not applied: a group failed during its step; the groups alive train it again"]
+        if kind != "commit":
+            return []
+        members, out = set(event["groups"]), []
+        self.last_groups[event["group"]] = members
+        if self.members is not None:
+            for g in sorted(self.members - members):
+                others = ", ".join(map(str, sorted(members)))
+                out.append(f"group {g} left at batch {event['batch']}: group(s) {others} went on without it {t - self.last_with[g]:.1f}s after the last step with it")
+                self.left_at[g] = t
+            for g in sorted(members - self.members):
+                since = f", {t - self.left_at.pop(g):.1f}s after it left" if g in self.left_at else ""
+                out.append(f"group {g} {'rejoined' if since else 'joined'} at batch {event['batch']}{since}")
+        self.members = members
+        for g in members:
+            self.last_with[g] = t
+        return out
+
+
+def main(argv: list[str]) -> int:
+    """One group: ``python -m loom.launch.groups GROUP GROUPS NPROC MAX_RESTARTS THREADS TIMEOUT SCRIPT [args]``."""
+    group, groups, nproc, restarts, threads = (int(a) for a in argv[:5])
+    timeout = None if argv[5] == "-" else float(argv[5])
+    opts = LaunchOptions(nproc=nproc, max_restarts=restarts, threads=threads, timeout=timeout)
+    layout = f"{groups} groups x {nproc} process{'es' if nproc > 1 else ''} (--groups {groups} --nproc {nproc}), this is group {group}"
+    return run_job(argv[6:], opts, layout=layout)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

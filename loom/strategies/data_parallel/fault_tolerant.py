@@ -1,0 +1,342 @@
+"""Mirrored across replica groups that fail, shrink, heal and rejoin while the others train (FT-DDP).
+
+``loom run --groups G --nproc N`` starts G groups of N processes; ``auto_strategy()`` then gives
+this strategy. Within a group the N processes are ordinary DDP (``MirroredStrategy``). Across
+groups it is torchft: a lighthouse decides at every step which groups take part (the quorum),
+and each group's gradient is summed across them by torchft's Manager, whose all-reduce a dead
+group cannot corrupt, only make fail. One step, the whole contract:
+
+1. quorum: the groups alive now. A group behind the others (restarted) heals in it: torchft's
+   transport hands it a live group's weights, optimizer state and step count, and it takes
+   part in this step without data (it adds zeros and applies the same update). No checkpoint
+   is read.
+2. data: global batch ``d`` (``d`` = steps the job has committed) is split among the groups
+   that are not healing, then among each group's N processes (``fault_tolerant_data``).
+3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
+   the batch, is summed across groups: the mean gradient of the whole global batch. Process r
+   of a group sums only the r-th of N parts with the other groups, then the group gathers them.
+4. commit: the optimizer steps only if every group's all-reduce completed (torchft's
+   ``should_commit``); if a group died mid-step, nobody applies the step and batch ``d`` is
+   trained again in the next step by the groups alive then. A batch is applied once, whole.
+
+``num_replicas_in_sync`` follows the membership. ``reduce``, ``gather`` and ``barrier`` combine
+the processes of this group only (they run outside the step, where a group may be missing).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import ReduceOp
+
+from loom.comm.groups import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.errors import LaunchError
+from loom.strategies.base import unwrap
+from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
+from loom.strategies.data_parallel.mirrored import MirroredStrategy
+from loom.strategies.optimizer import StrategyOptimizer
+
+BUCKET_BYTES = 25 * 2**20  # gradients cross groups in all-reduces of at most this size
+
+
+@dataclass(frozen=True)
+class Membership:
+    """Who trains the current step: the global batch, the groups, and this group's share of the batch."""
+
+    batch: int  # global batch of the job (steps committed so far)
+    groups: tuple[int, ...]  # groups in the quorum, healing ones included
+    participants: int  # groups that train on data (the others heal in this step)
+    rank: int  # this group's place among them
+    quorum_id: int
+    start: int  # this group's samples of the global batch: start .. stop - 1
+    stop: int
+
+    @property
+    def samples(self) -> int:
+        return self.stop - self.start
+
+
+class FaultTolerantMirroredStrategy(MirroredStrategy):
+    """MirroredStrategy within each replica group, torchft's fault-tolerant all-reduce across groups.
+
+    Args:
+        precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
+        timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
+        **options: MirroredStrategy's DDP options, for the processes of a group.
+    """
+
+    def __init__(self, precision: str = "32", timeout: float | None = None, **options: Any) -> None:
+        if precision == "16-mixed":
+            raise ValueError("FaultTolerantMirroredStrategy cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
+        if not in_groups():
+            raise LaunchError(
+                "FaultTolerantMirroredStrategy trains replica groups that a lighthouse coordinates: start the script "
+                "with `loom run --groups G --nproc N script.py`"
+            )
+        super().__init__(precision=precision, timeout=timeout, **options)
+        self.group = int(os.environ[GROUP_ENV])
+        self.groups = int(os.environ.get(GROUPS_ENV, self.group + 1))
+        self.group_size = self.cluster.world_size
+        self.membership: Membership | None = None
+        self.committed: bool | None = None  # whether the last step applied (False: its batch is trained again)
+        self._events = EventLog(self.group, enabled=self.cluster.rank == 0)
+        self._manager = self._join_groups()
+        self._buckets: list[list[nn.Parameter]] = []
+        self._optimizer: torch.optim.Optimizer | None = None
+        atexit.register(self._manager.shutdown, wait=False)
+
+    def _join_groups(self) -> Any:
+        """torchft's Manager for this process; the group's first process starts the group's server.
+
+        The first process makes its Manager before the others: they read the server's address from
+        the group's store, where a restarted group would otherwise find its previous life's.
+        """
+        from torchft import Manager, ProcessGroupGloo
+
+        logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a warning about NCCL's flight recorder at every quorum
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch, reading a heal's bytes
+        timeout = timedelta(seconds=self.timeout)
+
+        def make() -> Any:
+            return Manager(
+                pg=ProcessGroupGloo(timeout=timeout),
+                load_state_dict=None,
+                state_dict=None,
+                min_replica_size=1,
+                use_async_quorum=True,  # a healing group adds zeros and is not counted; loom waits for the quorum before the data
+                timeout=timeout,
+                quorum_timeout=timeout,
+                connect_timeout=timedelta(seconds=min(self.timeout, 30)),
+                rank=self.cluster.rank,
+                world_size=self.group_size,
+                replica_id=f"group_{self.group}",
+                lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
+            )
+
+        if self.cluster.rank == 0:
+            manager = make()
+        with self._guard():
+            dist.barrier()
+        return manager if self.cluster.rank == 0 else make()
+
+    # ---- topology follows the membership ------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        groups = self.membership.participants if self.membership else self.groups
+        return groups * self.group_size
+
+    @property
+    def replica_id(self) -> int:
+        if self.membership is None:
+            return self.group * self.group_size + self.cluster.rank
+        return self.membership.rank * self.group_size + self.cluster.rank
+
+    def committed_batches(self) -> int:
+        """Global batches the job has trained: its committed steps, less the first (the start-up sync)."""
+        return max(0, self._manager.current_step() - 1)
+
+    # ---- model and optimizer ------------------------------------------------------------------
+    def prepare(self, model: nn.Module, optimizer: Any = None, **options: Any) -> Any:  # type: ignore[override]
+        """Wrap as MirroredStrategy does, then join the job: take the weights of a live group (or of group 0 at the start)."""
+        if optimizer is None:
+            raise ValueError(
+                "under --groups a restarted group heals with the optimizer's state too: pass the optimizer, "
+                "strategy.prepare(model, optimizer)"
+            )
+        if self._optimizer is not None:
+            raise ValueError("FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once")
+        wrapped, opt = super().prepare(model, optimizer, **options)
+        module, inner = unwrap(wrapped), opt.optimizer
+        self._optimizer = inner
+        self._buckets = _buckets([p for p in module.parameters() if p.requires_grad])
+
+        def state() -> dict[str, Any]:
+            return {"model": module.state_dict(), "optimizer": inner.state_dict()}
+
+        def load(saved: dict[str, Any]) -> None:
+            module.load_state_dict(saved["model"])
+            inner.load_state_dict(saved["optimizer"])
+
+        self._manager.register_state_dict_fn("loom", load, state)
+        self._start(module)
+        return wrapped, _CommittingOptimizer(inner, self.precision, self._may_step, self._sync_and_commit)
+
+    def _start(self, module: nn.Module) -> None:
+        """The job's first step is a sync: every group takes group 0's weights. A group joining later heals instead.
+
+        torchft syncs process r of every group from process r of one group (a different one for each r,
+        to spread the load); the broadcast within each group then makes all take group 0's.
+        """
+        started = time.time()
+        self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        self._quorum()
+        if self._manager.current_step() > 0:  # the job is under way: this group healed in that quorum
+            self._ghost_step(started)
+            return
+        self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
+        self._manager.should_commit()
+        with self._guard(), torch.no_grad():
+            for tensor in module.state_dict().values():
+                dist.broadcast(tensor, 0)
+
+    # ---- one step -----------------------------------------------------------------------------
+    def _quorum(self) -> None:
+        self._manager.start_quorum()
+        self._manager.wait_quorum()
+
+    def _next_batch(self, end: int) -> int | None:
+        """The global batch this step trains, after its quorum; None once the job has trained batch ``end - 1``.
+
+        A quorum in which this group heals is a step of its own (without data): then the next one is taken.
+        """
+        while True:
+            batch = self.committed_batches()
+            if batch >= end:
+                return None
+            started = time.time()
+            self._quorum()
+            if self._manager._healing:
+                self._ghost_step(started)
+                continue
+            rank, count = self._manager.participating_rank(), self._manager.num_participants()
+            members = tuple(sorted({r // self.group_size for r in self._manager._pg._global_ranks or [self.group]}))
+            start, stop = group_slice(self._global_batch, self.group_size, rank, count)
+            if self.membership is None or self.membership.quorum_id != self._manager._quorum_id:
+                self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
+            self.membership = Membership(batch, members, count, rank, self._manager._quorum_id, start, stop)
+            self._in_step = True
+            return batch
+
+    def _process_slice(self) -> tuple[int, int]:
+        """Samples of the global batch that this process trains: its part of the group's slice."""
+        m = self.membership
+        each = m.samples // self.group_size
+        return m.start + self.cluster.rank * each, m.start + (self.cluster.rank + 1) * each
+
+    def _sync_and_commit(self) -> bool:
+        """Sum the groups' weighted gradients; True when every group's all-reduce completed and the step may apply."""
+        if not self._in_step:
+            raise RuntimeError(
+                "under --groups each step trains the batch that strategy.distribute(...) hands out after the step's "
+                "quorum: iterate that loader, one optimizer step per batch"
+            )
+        self._in_step = False
+        weight = self.membership.samples / self._global_batch
+        flats = [_flatten(bucket).mul_(weight) for bucket in self._buckets]
+        self._sum_across_groups(flats)
+        committed = self.committed = self._manager.should_commit()
+        if committed:
+            for bucket, flat in zip(self._buckets, flats):
+                _unflatten(flat, bucket)
+        self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
+        return committed
+
+    def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
+        """Sum each bucket over the groups, in place: process r of each group sums the r-th of N parts
+        with process r of the others (torchft's managed all-reduce), then the group gathers the parts."""
+        n, rank = self.group_size, self.cluster.rank
+        if n == 1:
+            return self._managed_sum(flats)
+        padded = [F.pad(flat, (0, -flat.numel() % n)) for flat in flats]
+        mine = [p.view(n, -1)[rank].clone() for p in padded]
+        self._managed_sum(mine)
+        with self._guard():
+            for p, part in zip(padded, mine):
+                dist.all_gather(list(p.view(n, -1).unbind(0)), part)
+        for flat, summed in zip(flats, padded):
+            flat.copy_(summed[: flat.numel()])
+
+    def _managed_sum(self, tensors: list[torch.Tensor]) -> None:
+        for work in [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]:
+            work.wait()  # a failure is the Manager's to report: should_commit then says no
+
+    def _ghost_step(self, started: float) -> None:
+        """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
+        flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
+        self._sum_across_groups(flats)
+        if not self._manager.should_commit():  # loads the live group's state before deciding
+            return
+        for bucket, flat in zip(self._buckets, flats):
+            _unflatten(flat, bucket)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started)
+
+    # ---- data ---------------------------------------------------------------------------------
+    def distribute(  # type: ignore[override]
+        self,
+        data: Any,
+        batch_size: int | None = None,
+        shuffle: bool | None = None,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        **options: Any,
+    ) -> GroupLoader:
+        """This process's part of each global batch, split among the groups alive at each step (see the module)."""
+        unsupported = {k: v for k, v in options.items() if v not in (None, False, "auto")}
+        if unsupported:
+            raise ValueError(f"under --groups, distribute() does not take {', '.join(unsupported)}: the groups split each batch themselves")
+        self._announce()
+        loader = GroupLoader(self, data, batch_size, shuffle, seed, collate_fn)
+        self._global_batch = loader.global_batch
+        return loader
+
+    _global_batch = 1
+    _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
+
+    def shutdown(self) -> None:
+        self._manager.shutdown(wait=False)
+        super().shutdown()
+
+
+class _CommittingOptimizer(StrategyOptimizer):
+    """Steps only when the step commits (every group's gradients arrived); otherwise the batch is trained again."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[Any], bool], commit: Callable[[], bool]) -> None:
+        super().__init__(optimizer, precision, should_step)
+        self._commit = commit
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        if not self._step_acts() or not self._commit():
+            return None
+        return self.precision.step(self.optimizer, closure)
+
+
+def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters in order, cut where a bucket would pass BUCKET_BYTES: the same on every group, restarted or not."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and (size + nbytes > BUCKET_BYTES or p.dtype != buckets[-1][0].dtype):
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def _flatten(bucket: list[nn.Parameter]) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+
+
+def _unflatten(flat: torch.Tensor, bucket: list[nn.Parameter]) -> None:
+    offset = 0
+    for p in bucket:
+        part = flat[offset : offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = part.clone()
+        else:
+            p.grad.copy_(part)
+        offset += p.numel()

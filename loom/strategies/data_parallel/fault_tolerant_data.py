@@ -1,0 +1,102 @@
+"""The input of a fault-tolerant job: each global batch split among the groups alive for its step.
+
+Global batch ``d`` of the job is the d-th batch of the epoch order (``loom.data.sharding``), the
+same on every group. Its samples are cut into ``count`` contiguous group slices (in units of the
+group's N processes, as even as possible), then each group slice into N equal process slices.
+Which batch comes next is the number of steps the job has committed, which a healed group takes
+over with the weights: so no batch is skipped, and none is trained twice.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch.utils.data import Dataset
+from torch.utils.data.dataloader import default_collate
+
+from loom.data.loader import to_device
+from loom.data.sharding import check_global_batch, epoch_order
+
+if TYPE_CHECKING:
+    from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy
+
+
+def group_slice(batch_size: int, group_size: int, rank: int, count: int) -> tuple[int, int]:
+    """Samples ``start, stop`` of a global batch that participating group ``rank`` of ``count`` trains.
+
+    The batch is cut in units of ``group_size`` samples (one per process), spread as evenly as
+    ``count`` allows: the first ``units % count`` groups take one unit more.
+    """
+    units = batch_size // group_size
+    if units < count:
+        raise ValueError(f"a global batch of {batch_size} cannot give {count} groups of {group_size} processes a sample each")
+    base, extra = divmod(units, count)
+    start = rank * base + min(rank, extra)
+    return start * group_size, (start + base + (rank < extra)) * group_size
+
+
+class GroupLoader:
+    """This process's part of every global batch; one ``iter()`` is one epoch of the job.
+
+    An epoch that the job has already trained (a restarted group catching up) yields nothing.
+    """
+
+    def __init__(
+        self,
+        strategy: FaultTolerantMirroredStrategy,
+        data: Dataset,
+        batch_size: int | None,
+        shuffle: bool | None = None,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        if batch_size is None:
+            raise ValueError("distribute() needs batch_size= (the global batch, split over the groups alive at each step)")
+        if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            raise TypeError(f"under --groups, distribute() takes a map-style Dataset (with len and indexing), not {type(data).__name__}")
+        check_global_batch(batch_size, strategy.group_size * strategy.groups)
+        if len(data) % batch_size:
+            raise ValueError(
+                f"under --groups every step trains a whole global batch, but {len(data)} samples leave a last batch of "
+                f"{len(data) % batch_size}: use a data set of a multiple of batch_size={batch_size} samples"
+            )
+        self.strategy = strategy
+        self.dataset = data
+        self.global_batch = batch_size
+        self.shuffle = True if shuffle is None else shuffle
+        self.seed = seed
+        self.collate_fn = collate_fn or default_collate
+        self.epoch = 0
+        self._started = False
+
+    def __len__(self) -> int:
+        return len(self.dataset) // self.global_batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return len(self)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self._started = epoch, False
+
+    def valid_count(self, batch: int) -> int:
+        """Samples this process trained in the last batch handed out (no batch is padded)."""
+        return self.strategy.membership.samples // self.strategy.group_size
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batch": self.strategy.committed_batches() - self.epoch * len(self), "global_batch": self.global_batch}
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            self.epoch += 1
+        self._started = True
+        first = self.epoch * len(self)
+        order = epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
+        while True:
+            batch = self.strategy._next_batch(end=first + len(self))
+            if batch is None:
+                return
+            start, stop = self.strategy._process_slice()
+            members = order[(batch - first) * self.global_batch :][start:stop].tolist()
+            yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)

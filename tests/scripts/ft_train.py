@@ -1,0 +1,102 @@
+"""A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches.
+
+``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
+
+``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
+to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
+group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
+its pid); ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
+join, so that it rejoins while there is training left.
+"""
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+
+SAMPLES, BATCH, EPOCHS = 96, 12, 2
+
+
+class Numbered(torch.utils.data.Dataset):
+    """Sample i is (x_i, y_i, i): the id says which samples a step trained."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(SAMPLES, 8, generator=g)
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def optimizer(params):
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def _rejoining(group: int) -> bool:
+    folder = Path(os.environ["LOOM_FT_EVENTS"])
+    path = folder / f"group-{group}.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return any(json.loads(l)["event"] == "joining" and json.loads(l)["restart"] > 0 for l in lines)
+
+
+def _refusal(call) -> str:
+    try:
+        call()
+    except (ValueError, RuntimeError) as error:
+        return str(error)
+    return "not refused"
+
+
+def main(out: Path) -> None:
+    strategy = loom.auto_strategy()
+    group, rank = strategy.group, strategy.cluster.rank
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
+    hold_at = int(os.environ.get("HOLD_AT", -1))
+    if os.environ.get("CHECK_REFUSALS"):
+        refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
+    model, opt = strategy.prepare(make_model(group + 1), optimizer)  # groups start unequal: the start-up sync makes them equal
+    if os.environ.get("CHECK_REFUSALS"):
+        refusals += [_refusal(lambda: strategy.prepare(make_model(0), optimizer)), _refusal(opt.step)]
+        refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
+        (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
+    loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
+    with open(out / "steps.jsonl", "a") as log:
+        for _ in range(EPOCHS):
+            for x, y, ids in loader:
+                m = strategy.membership
+                if (group, m.batch, restart) == (die_group, die_batch, 0):
+                    (out / "dying").write_text(str(os.getpid()))
+                    while True:  # killed here, mid-step: after its forward pass would run, before the sync
+                        time.sleep(0.05)
+                strategy.backward(F.cross_entropy(model(x), y))
+                opt.step()
+                opt.zero_grad()
+                if strategy.committed:
+                    log.write(json.dumps({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
+                                          "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync}) + "\n")
+                    log.flush()
+                if m.batch == hold_at and group != die_group and strategy.committed:
+                    while not _rejoining(die_group):
+                        time.sleep(0.05)
+    torch.save(loom.unwrap(model).state_dict(), out / f"final-{group}-{rank}.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
