@@ -5,12 +5,12 @@ outlives any worker), beats a counter there, and posts a notice when it fails wi
 exception. Each rank watches a few peers round a ring (``ring``): the one that finds a peer
 gone or silent raises the alarm, which every rank hears at once. When a collective breaks,
 or the agent tears the job down, a survivor reads the records and says which rank failed
-and where. When every rank is alive but a
-collective timed out, the first rank to see it compares every rank's record of its
-collectives (``collective_log``, ``hangs``) and says where they part. It need not wait for
-the timeout: when a rank's main thread has not moved for ``LOOM_HANG_CHECK`` seconds, its
-heartbeat thread compares the records, and stops the job if they show a hang that no wait
-can end (ranks in different collectives, one run under ``if is_chief:`` on the chief only).
+and where. When every rank is alive but a collective timed out, the first rank to see it
+compares every rank's record of its collectives (``collective_log``, ``hangs``) and says
+where they part. It need not wait for the timeout: when a rank's main thread has not moved
+for ``LOOM_HANG_CHECK`` seconds, its heartbeat thread compares the records, and stops the job
+if they show a hang that no wait can end (ranks in different collectives, one run under
+``if is_chief:`` on the chief only).
 """
 
 from __future__ import annotations
@@ -231,8 +231,15 @@ class HealthMonitor:
             if last is None or last[0] != beats:
                 heard[r] = (beats, now)
             elif now - last[1] > self.silence_limit:
-                silent.append(f"{_where(r, info)} {_silent_for(self.silence_limit)}")
+                silent.append(self._name_silent(store, r, info, self.silence_limit))
         return silent
+
+    def _name_silent(self, store: dist.TCPStore, rank: int, member: dict, seconds: float) -> str:
+        """``rank 1 (h, pid 5) stopped responding (...)``, recorded for the launcher too: when its agent
+        has to kill that rank (a stopped process answers no SIGTERM), it says why (``launch.failures``)."""
+        how = _silent_for(seconds)
+        store.set(self._key("hung", rank), how)
+        return f"{_where(rank, member)} {how}"
 
     def _how_it_ended(self, store: dist.TCPStore, rank: int, member: dict) -> str:
         """A peer whose process is gone: its own failure, the cause it stopped for, or a death."""
@@ -335,7 +342,7 @@ class HealthMonitor:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)
             after = self._beats(list(suspects))
-            found = [f"{_where(r, info)} {_silent_for(2.5 * self.interval)}" for r, info in suspects.items() if after[r] == before[r]]
+            found = [self._name_silent(self._store, r, info, 2.5 * self.interval) for r, info in suspects.items() if after[r] == before[r]]
         never = [str(r) for r, info in members.items() if info is None]
         if not found and never:
             found.append(f"rank(s) {', '.join(never)} never joined the job")

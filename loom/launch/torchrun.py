@@ -185,11 +185,12 @@ def run_job(entry: list[str], opts: LaunchOptions) -> int:
     world_size = node.nnodes * opts.processes()
     # torchrun's own logging repeats what loom.launch.failures says in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
-        with reporting_agent(node, world_size, wait_report):
+        with reporting_agent(node, world_size, wait_report, hung):
             run_torchrun(argv)
     except ChildFailedError as error:
-        print(report(error.failures, world_size, "job failed"), file=sys.stderr, flush=True)
+        print(report(error.failures, world_size, "job failed", hung), file=sys.stderr, flush=True)
         return 1
     except SignalException as stop:  # the agent has stopped the workers (SIGTERM, then SIGKILL)
         name = signal.Signals(stop.sigval).name
