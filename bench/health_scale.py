@@ -4,7 +4,9 @@ Each simulated rank is a ``HealthMonitor`` in this process (its own threads and 
 beating at the default 1 s) against one TCPStore, as a job's ranks are against the agent's.
 Counted over a window once every rank beats: each request every rank's clients send, and the
 gaps between each rank's beats (a gap well over the interval is a beat the store, or this
-process, could not serve in time; a peer reads a long enough one as silence). The ring (each
+process, could not serve in time; a peer reads a long enough one as silence), and each
+request's time to its answer. All ranks share this process's interpreter lock: at hundreds of
+ranks on a few cores, it rather than the store can make beats late. The ring (each
 rank watches ``ring.WATCHED`` peers) is compared with every rank watching every other, as the
 monitor did before, up to the size where that is still worth the machine's time.
 
@@ -34,7 +36,7 @@ INTERVAL = 1.0  # the monitor's default beat
 
 
 class Counted:
-    """A store client that counts its requests and times its rank's beats."""
+    """A store client that counts and times its requests, and times its rank's beats."""
 
     def __init__(self, store: dist.TCPStore, rank: int, log: dict[str, Any]) -> None:
         self._store, self._rank, self._log = store, rank, log
@@ -46,9 +48,14 @@ class Counted:
         def request(*args: Any, **kwargs: Any) -> Any:
             with self._log["lock"]:  # several threads of a rank send requests
                 self._log["requests"][self._rank] += 1
+            sent = time.monotonic()
             if name == "add" and args[1] == 1 and args[0].endswith(self._beat_key):
-                self._log["beats"][self._rank].append(time.monotonic())
-            return method(*args, **kwargs)
+                self._log["beats"][self._rank].append(sent)
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if name != "wait":  # the listener's wait lasts until an alarm, by design
+                    self._log["latency"].append((sent, time.monotonic() - sent))
 
         return request
 
@@ -72,7 +79,7 @@ class SimulatedRank(HealthMonitor):
 def measure(world: int, window: float) -> dict[str, Any]:
     """Requests per second, in all and per rank, and the beats' gaps, for ``world`` simulated ranks."""
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    log: dict[str, Any] = {"requests": [0] * world, "beats": [[] for _ in range(world)], "alarms": [], "lock": threading.Lock()}
+    log: dict[str, Any] = {"requests": [0] * world, "beats": [[] for _ in range(world)], "alarms": [], "latency": [], "lock": threading.Lock()}
     with ThreadPoolExecutor(64) as pool:  # each rank's clients connect at once, as a job's ranks do
         ranks = list(pool.map(lambda r: SimulatedRank(ClusterSpec(r, world, r, world, 0, "127.0.0.1", master.port), log), range(world)))
     for rank in ranks:
@@ -90,6 +97,7 @@ def measure(world: int, window: float) -> dict[str, Any]:
         for rank in ranks:
             rank.stop()
     gaps = [b - a for beats in log["beats"] for a, b in zip(beats, beats[1:]) if start <= a < start + elapsed]
+    latency = sorted(d for sent_at, d in log["latency"] if start <= sent_at < start + elapsed)
     return {
         "ranks": world,
         "watched_per_rank": min(ring.WATCHED, world - 1),
@@ -98,6 +106,9 @@ def measure(world: int, window: float) -> dict[str, Any]:
         "beat_gap_median_s": statistics.median(gaps),
         "beat_gap_max_s": max(gaps),
         "late_beats": sum(g > 1.5 * INTERVAL for g in gaps) / len(gaps),  # a beat over half an interval late
+        # from a rank's call to its answer: the store's time, plus this process's threads taking turns at the GIL
+        "request_ms_median": 1000 * latency[len(latency) // 2],
+        "request_ms_p99": 1000 * latency[int(0.99 * len(latency))],
         "false_alarms": len(log["alarms"]),
     }
 
@@ -115,6 +126,7 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
             load.plot(n, [r["requests_per_s_per_rank"] for r in rows], "o-", label=mode)
             gaps.plot(n, [r["beat_gap_max_s"] for r in rows], "o-", label=mode)
     load.set(xscale="log", yscale="log", xlabel="simulated ranks", ylabel="store requests/s per rank", title="load per rank")
+    load.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     gaps.axhline(INTERVAL, color="grey", linestyle=":", label="beat interval")
     gaps.set(xscale="log", xlabel="simulated ranks", ylabel="longest gap between a rank's beats (s)", title="beats on time?")
     for ax in (load, gaps):
