@@ -138,9 +138,10 @@ def test_loom_timeout_environment_variable(monkeypatch):
     monkeypatch.setenv("LOOM_TIMEOUT", "42")
     assert loom.OneDeviceStrategy().timeout == 42
     assert loom.OneDeviceStrategy(timeout=7).timeout == 7
-    monkeypatch.setenv("LOOM_TIMEOUT", "soon")
-    with pytest.raises(ClusterError, match=r"LOOM_TIMEOUT='soon' is not a positive number of seconds; unset it for the default \(300\)"):
-        loom.OneDeviceStrategy()
+    for value in ("soon", "nan", "inf"):  # nan and inf used to pass, then fail every rank with a raw error
+        monkeypatch.setenv("LOOM_TIMEOUT", value)
+        with pytest.raises(ClusterError, match=rf"LOOM_TIMEOUT='{value}' is not a finite positive number of seconds; unset it for the default \(300\)"):
+            loom.OneDeviceStrategy()
 
 
 def test_more_processes_than_gpus(monkeypatch):
