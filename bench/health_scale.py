@@ -126,7 +126,8 @@ def plot(results: dict[str, list[dict[str, Any]]], path: Path) -> None:
             load.plot(n, [r["requests_per_s_per_rank"] for r in rows], "o-", label=mode)
             gaps.plot(n, [r["beat_gap_max_s"] for r in rows], "o-", label=mode)
     load.set(xscale="log", yscale="log", xlabel="simulated ranks", ylabel="store requests/s per rank", title="load per rank")
-    load.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    load.set_yticks([2, 5, 10, 20, 50, 100, 200], ["2", "5", "10", "20", "50", "100", "200"])
+    load.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     gaps.axhline(INTERVAL, color="grey", linestyle=":", label="beat interval")
     gaps.set(xscale="log", xlabel="simulated ranks", ylabel="longest gap between a rank's beats (s)", title="beats on time?")
     for ax in (load, gaps):
