@@ -11,6 +11,7 @@ Resolvers answer two different questions:
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -294,15 +295,22 @@ def resolve_node(
     return NodeSpec()
 
 
-def seconds_from_env(name: str, default: float, error: type[Exception] = ValueError) -> float:
-    """A positive number of seconds from the environment variable ``name``; ``default`` when unset."""
+def seconds_from_env(name: str, default: float, error: type[Exception] = ClusterError) -> float:
+    """A finite positive number of seconds from the environment variable ``name``; ``default`` when unset.
+
+    ``nan`` and ``inf`` are refused with the rest: either one would switch off the wait it bounds."""
     text = os.environ.get(name)
     if not text:
         return default
     try:
         seconds = float(text)
     except ValueError:
-        seconds = -1.0
-    if seconds <= 0:
-        raise error(f"{name}={text!r} is not a positive number of seconds; unset it for the default ({default:g})")
+        seconds = math.nan
+    if not is_positive_seconds(seconds):
+        raise error(f"{name}={text!r} is not a finite positive number of seconds; unset it for the default ({default:g})")
     return seconds
+
+
+def is_positive_seconds(value: object) -> bool:
+    """Whether ``value`` can bound a wait: a finite number above zero (not nan, inf, a bool or a string)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0

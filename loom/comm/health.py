@@ -2,13 +2,15 @@
 
 Each rank registers its host and pid in the job's store (held by torchrun's agent, so it
 outlives any worker), beats a counter there, and posts a notice when it fails with an
-exception. When a collective breaks, or the agent tears the job down, a survivor reads
-those records and says which rank failed and where. When every rank is alive but a
-collective timed out, the first rank to see it compares every rank's record of its
-collectives (``collective_log``, ``hangs``) and says where they part. It need not wait for
-the timeout: when a rank's main thread has not moved for ``LOOM_HANG_CHECK`` seconds, its
-heartbeat thread compares the records, and stops the job if they show a hang that no wait
-can end (ranks in different collectives, one run under ``if is_chief:`` on the chief only).
+exception. Each rank watches a few peers round a ring (``ring``): the one that finds a peer
+gone or silent raises the alarm, which every rank hears at once. When a collective breaks,
+or the agent tears the job down, a survivor reads the records and says which rank failed
+and where. When every rank is alive but a collective timed out, the first rank to see it
+compares every rank's record of its collectives (``collective_log``, ``hangs``) and says
+where they part. It need not wait for the timeout: when a rank's main thread has not moved
+for ``LOOM_HANG_CHECK`` seconds, its heartbeat thread compares the records, and stops the job
+if they show a hang that no wait can end (ranks in different collectives, one run under
+``if is_chief:`` on the chief only).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import NoReturn
 import torch.distributed as dist
 
 from loom.cluster import ClusterSpec, seconds_from_env
-from loom.comm import preemption
+from loom.comm import preemption, ring
 from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
@@ -38,22 +40,6 @@ FAULT_DUMP_ENV = "LOOM_FAULT_DUMPS"  # a folder, set by loom's launcher, which r
 def fault_path(folder: str, rank: int) -> str:
     """Where rank ``rank`` leaves its Python stacks when a fatal signal ends it."""
     return os.path.join(folder, f"rank-{rank}.fault")
-
-
-def _pid_alive(pid: int) -> bool:
-    """False for a missing or zombie (killed, not yet reaped) process on this host."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: fall back to signal 0, which cannot see zombies
-        try:
-            os.kill(pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
 
 
 class HealthMonitor:
@@ -69,6 +55,7 @@ class HealthMonitor:
         self._store = self._connect()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._listener: threading.Thread | None = None
         self._previous_excepthook = sys.excepthook
         self._failed_in_last = False  # this rank's newest collective raised: its record says it is stuck there
         # This rank is failing and says why: the agent's SIGTERM must not relabel it a victim,
@@ -96,15 +83,23 @@ class HealthMonitor:
         from loom.comm import collective_log  # imported on use: its stacks module reads this one's PREFIX
 
         collective_log.arm()
-        me = {"host": self.host, "pid": os.getpid(), **self._dump_faults()}
+        self.watch(**self._dump_faults())
+        sys.excepthook = self._excepthook
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def watch(self, **member: str) -> None:
+        """Register this rank (with ``member``'s extra fields), beat, watch its peers and listen for
+        the alarm: ``start`` without the process's hooks, so that several simulated ranks can share
+        one process (``bench/health_scale.py``)."""
+        me = {"host": self.host, "pid": os.getpid(), **member}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
         self._contact = time.monotonic()
         self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch_contact, name="loom-watchdog", daemon=True).start()
-        sys.excepthook = self._excepthook
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._listener = threading.Thread(target=self._listen, name="loom-alarm", daemon=True)
+        self._listener.start()
 
     def _dump_faults(self) -> dict[str, str]:
         """Have a fatal signal (gloo's abort on a collective mismatch) leave this rank's Python stacks in a file
@@ -124,26 +119,33 @@ class HealthMonitor:
         except Exception:
             pass
         self._stop.set()
+        if self._listener is not None:
+            try:
+                ring.stop_listening(self._store, self._namespace(), self.spec.rank)
+            except Exception:
+                pass
+            self._listener.join(timeout=2 * self.interval)
         if self._thread is not None:
             self._thread.join(timeout=2 * self.interval)
             self._thread = None
         sys.excepthook = self._previous_excepthook
 
     def _beat(self) -> None:
-        """Beat, and watch the others: a peer silent for ``silence_limit`` stops the job now,
-        not at the collective timeout; so does a hang the records show once the main thread
-        has stood still for ``hang_check``."""
+        """Beat, and watch this rank's peers on the ring: one silent for ``silence_limit`` stops
+        the job now, not at the collective timeout; so does a hang the records show once the
+        main thread has stood still for ``hang_check``."""
         store = self._connect()  # a client of its own: the main thread may be using the other
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
+        finished: set[int] = set()  # ranks seen done: no longer watched
         answered = 0  # requests for this rank's record of collectives
         main, still_since, checked = None, time.monotonic(), 0.0  # where the main thread is, since when
         while not self._stop.is_set():
             try:
                 store.add(key, 1)
                 answered = self._answer_record_requests(store, answered)
-                silent = self._silent_peers(store, heard, members) or self._found_by_another(store)
+                silent = self._silent_peers(store, heard, members, finished)
                 self._contact = now = time.monotonic()
                 frame = sys._current_frames().get(threading.main_thread().ident)
                 here = (id(frame), frame.f_lasti) if frame is not None else None
@@ -158,13 +160,15 @@ class HealthMonitor:
                 self._give_up("; ".join(silent))
             self._stop.wait(self.interval)
 
-    def _found_by_another(self, store: dist.TCPStore) -> list[str]:
-        """The hang another rank found (this rank may wait in C++, where no exception reaches it)."""
-        finding = self._key("hang", 0)
-        if not store.check([finding]):
-            return []
-        answer = json.loads(store.get(finding))
-        return [f"rank {answer['rank']} found the job hung: {answer['found']}"] if answer["found"] and answer["rank"] != self.spec.rank else []
+    def _listen(self) -> None:
+        """Wait for the alarm another rank raises (a peer it watches is gone, or the job hangs): this
+        rank may wait in C++, where no exception reaches it."""
+        try:
+            reason = ring.listen(self._connect(), self._namespace(), self.spec.rank)
+        except Exception:  # the store is unreachable: _watch_contact decides when that is fatal
+            return
+        if not self._stop.is_set() and not self._failing:  # a failing rank says why itself
+            self._give_up(reason)
 
     def _check_for_hang(self, store: dist.TCPStore) -> None:
         """The main thread has stood still: if every rank's record shows a hang no wait can end, fail with it now."""
@@ -180,6 +184,7 @@ class HealthMonitor:
             return  # nothing certain yet, or another rank reports it (its finding reaches this one)
         self._failing = True
         store.set(self._key("hang", 0), json.dumps({"rank": self.spec.rank, "found": found}))
+        ring.raise_alarm(store, prefix, world, _hung(self.spec.rank, found))
         self._fail(HangError(found), store)
 
     def _fail(self, error: LoomError, store: dist.TCPStore) -> NoReturn:
@@ -204,31 +209,37 @@ class HealthMonitor:
                     post=False,
                 )
 
-    def _silent_peers(self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict]) -> list[str]:
-        """Peers that are gone: a process that exited (seen at once: on this host by its pid, on
-        another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``."""
+    def _silent_peers(
+        self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict], finished: set[int]
+    ) -> list[str]:
+        """The watched peers that are gone: a process that exited (seen at once: on this host by its
+        pid, on another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``."""
         now, silent = time.monotonic(), []
-        for r in range(self.spec.world_size):
-            if r == self.spec.rank:
-                continue
+        for r in ring.watched(store, self._namespace(), self.spec.rank, self.spec.world_size, finished):
             if r not in members:
                 if not store.check([self._key("member", r)]):
                     continue  # not started yet
                 members[r] = json.loads(store.get(self._key("member", r)))
-            if store.check([self._key("done", r)]):
-                continue
             info = members[r]
-            gone = not _pid_alive(info["pid"]) if info["host"] == self.host else store.check([self._key("died", r)])
+            gone = not ring.pid_alive(info["pid"]) if info["host"] == self.host else store.check([self._key("died", r)])
             if gone:  # on another host, its agent says so
-                silent.append(self._how_it_ended(store, r, info))
+                if not store.check([self._key("done", r)]):  # else it finished and left since ``watched`` read it
+                    silent.append(self._how_it_ended(store, r, info))
                 continue
             beats = store.add(self._key("beat", r), 0)
             last = heard.get(r)
             if last is None or last[0] != beats:
                 heard[r] = (beats, now)
             elif now - last[1] > self.silence_limit:
-                silent.append(f"{_where(r, info)} {_silent_for(self.silence_limit)}")
+                silent.append(self._name_silent(store, r, info, self.silence_limit))
         return silent
+
+    def _name_silent(self, store: dist.TCPStore, rank: int, member: dict, seconds: float) -> str:
+        """``rank 1 (h, pid 5) stopped responding (...)``, recorded for the launcher too: when its agent
+        has to kill that rank (a stopped process answers no SIGTERM), it says why (``launch.failures``)."""
+        how = _silent_for(seconds)
+        store.set(self._key("hung", rank), how)
+        return f"{_where(rank, member)} {how}"
 
     def _how_it_ended(self, store: dist.TCPStore, rank: int, member: dict) -> str:
         """A peer whose process is gone: its own failure, the cause it stopped for, or a death."""
@@ -259,9 +270,14 @@ class HealthMonitor:
         return f"{_where(rank, member)} was aborted in {site}{here}: {why}"
 
     def _give_up(self, reason: str, post: bool = True) -> None:
-        """The main thread may be stuck in a collective that will never finish: exit from here."""
+        """The main thread may be stuck in a collective that will never finish: exit from here,
+        and (``post``: the store is reachable) tell every rank why at once."""
         if post:
             self.post_failure(reason, victim=True)
+            try:
+                ring.raise_alarm(self._store, self._namespace(), self.spec.world_size, reason)
+            except Exception:
+                pass
         self._leave(f"loom: rank {self.spec.rank} on {self.host} cannot continue: {reason}", RankFailureError.EXIT_CODE)
 
     def _leave(self, line: str | None, code: int) -> NoReturn:
@@ -318,7 +334,7 @@ class HealthMonitor:
             notice = self._key("failed", r)
             if self._store.check([notice]):
                 found.append(f"{_where(r, info)} failed: {self._store.get(notice).decode()}")
-            elif info["host"] == self.host and not _pid_alive(info["pid"]):
+            elif info["host"] == self.host and not ring.pid_alive(info["pid"]):
                 found.append(self._death(r, info))
             elif self._store.check([self._key("died", r)]):  # its agent on another host saw it end
                 found.append(f"{_where(r, info)} died ({self._store.get(self._key('died', r)).decode()})")
@@ -326,7 +342,7 @@ class HealthMonitor:
             before = self._beats(list(suspects))
             time.sleep(2.5 * self.interval)
             after = self._beats(list(suspects))
-            found = [f"{_where(r, info)} {_silent_for(2.5 * self.interval)}" for r, info in suspects.items() if after[r] == before[r]]
+            found = [self._name_silent(self._store, r, info, 2.5 * self.interval) for r, info in suspects.items() if after[r] == before[r]]
         never = [str(r) for r, info in members.items() if info is None]
         if not found and never:
             found.append(f"rank(s) {', '.join(never)} never joined the job")
@@ -380,6 +396,8 @@ class HealthMonitor:
             found = explain(records, self.spec.world_size) if len(records) == self.spec.world_size else None
             self._failing = self._failing or bool(found)  # before the others read the finding and exit
             self._store.set(finding, json.dumps({"rank": self.spec.rank, "found": found}))
+            if found:  # a rank waiting in C++ hears it only through the alarm
+                ring.raise_alarm(self._store, prefix, self.spec.world_size, _hung(self.spec.rank, found))
             return HangError(found) if found else None
         try:
             self._store.wait([finding], timedelta(seconds=5 * self.interval + 5))
@@ -388,7 +406,7 @@ class HealthMonitor:
             return None
         if not answer["found"]:
             return None
-        reason = f"rank {answer['rank']} found the job hung: {answer['found']}"
+        reason = _hung(answer["rank"], answer["found"])
         self.post_failure(reason, victim=True)
         return RankFailureError(f"rank {self.spec.rank} on {self.host} cannot continue: {reason}")
 
@@ -428,6 +446,10 @@ class HealthMonitor:
 
 def _where(rank: int, member: dict) -> str:
     return f"rank {rank} ({member['host']}, pid {member['pid']})"
+
+
+def _hung(rank: int, found: str) -> str:
+    return f"rank {rank} found the job hung: {found}"
 
 
 def _silent_for(seconds: float) -> str:

@@ -16,7 +16,7 @@ from typing import ClassVar, Iterator
 import torch
 import torch.distributed as dist
 
-from loom.cluster import ClusterSpec, seconds_from_env
+from loom.cluster import ClusterSpec, is_positive_seconds, seconds_from_env
 from loom.comm.health import HealthMonitor
 from loom.errors import ClusterError
 
@@ -24,12 +24,12 @@ TIMEOUT_ENV = "LOOM_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0
 
 
-def resolve_timeout(timeout: float | None) -> float:
-    """Collective timeout in seconds: the argument, else ``LOOM_TIMEOUT``, else 300."""
+def resolve_timeout(timeout: float | None, name: str = "timeout") -> float:
+    """Collective timeout in seconds: the argument (called ``name`` in the error), else ``LOOM_TIMEOUT``, else 300."""
     if timeout is None:
-        return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT, ClusterError)
-    if timeout <= 0:
-        raise ClusterError(f"timeout must be a positive number of seconds, got {timeout}")
+        return seconds_from_env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+    if not is_positive_seconds(timeout):
+        raise ClusterError(f"{name} must be a finite positive number of seconds, got {timeout}")
     return float(timeout)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -110,11 +111,12 @@ class RendezvousWatch:
 class ReportingAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that reports a pending rendezvous and announces each restart."""
 
-    def __init__(self, *args: Any, node: NodeSpec, world_size: int, wait_report: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._node = node
         self._world_size = world_size
         self._wait_report = wait_report
+        self._hung = hung
         self._last_result: RunResult | None = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -126,14 +128,16 @@ class ReportingAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._last_result = super()._monitor_workers(worker_group)
+        self._hung.clear()
         if self._last_result.is_failed():
-            self._post_deaths(worker_group, self._last_result)
+            self._share_failures(worker_group, self._last_result)
         return self._last_result
 
-    def _post_deaths(self, worker_group: WorkerGroup, result: RunResult) -> None:
+    def _share_failures(self, worker_group: WorkerGroup, result: RunResult) -> None:
         """Tell the ranks on other nodes which of this node's workers died, and how: their heartbeats
-        read it (``HealthMonitor``), rather than wait for a silence. Not those this agent stopped."""
-        attempt = worker_group.spec.max_restarts - self._remaining_restarts  # the workers' TORCHELASTIC_RESTART_COUNT
+        read it (``HealthMonitor``), rather than wait for a silence. Not those this agent stopped.
+        And read which of them the others named hung: this agent's kill of those is loom's, for the hang."""
+        namespace = f"{PREFIX}/{worker_group.spec.max_restarts - self._remaining_restarts}"  # the workers' TORCHELASTIC_RESTART_COUNT
         try:
             store = dist.TCPStore(
                 worker_group.master_addr, worker_group.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
@@ -141,7 +145,9 @@ class ReportingAgent(LocalElasticAgent):
             for rank, failure in result.failures.items():
                 if failure.exitcode not in STOPPED:
                     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
-                    store.set(f"{PREFIX}/{attempt}/died/{rank}", how)
+                    store.set(f"{namespace}/died/{rank}", how)
+                if failure.exitcode == -signal.SIGKILL and store.check([f"{namespace}/hung/{rank}"]):
+                    self._hung[rank] = store.get(f"{namespace}/hung/{rank}").decode()
         except (OSError, RuntimeError, dist.DistError):
             pass  # the store's node is gone too: the others see that themselves
 
@@ -150,12 +156,13 @@ class ReportingAgent(LocalElasticAgent):
         if self._last_result is not None and self._last_result.is_failed():
             limit = worker_group.spec.max_restarts
             headline = f"restart {limit - self._remaining_restarts} of {limit}"
-            _say(report(self._last_result.failures, self._world_size, headline))
+            _say(report(self._last_result.failures, self._world_size, headline, self._hung))
         super()._restart_workers(worker_group)
 
 
-def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> ContextManager[None]:
-    """Have torchrun, called in this block, run its workers under a ``ReportingAgent``."""
+def reporting_agent(node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str]) -> ContextManager[None]:
+    """Have torchrun, called in this block, run its workers under a ``ReportingAgent``; it fills ``hung``
+    with the workers of the last attempt it had to kill after the others named them hung, and how."""
 
     collective_log.arm_workers()  # before any worker's process group exists, whatever its backend
     if FAULT_DUMP_ENV not in os.environ:  # a worker ended by a signal leaves its stacks there, for ``failures``
@@ -163,6 +170,6 @@ def reporting_agent(node: NodeSpec, world_size: int, wait_report: float) -> Cont
         atexit.register(shutil.rmtree, os.environ[FAULT_DUMP_ENV], ignore_errors=True)
 
     def build(**kwargs: Any) -> ReportingAgent:
-        return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, **kwargs)
+        return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, hung=hung, **kwargs)
 
     return elastic_agent(build)

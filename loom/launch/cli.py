@@ -19,7 +19,7 @@ from loom.devices import available_cores, cuda_count
 from loom.errors import LaunchError, LoomError
 from loom.launch.parameter_server import JobOptions, run_parameter_server_job, run_parameter_server_task
 from loom.launch.shadow import check_not_shadowed
-from loom.launch.torchrun import LaunchOptions, run_job
+from loom.launch.torchrun import LaunchOptions, check_timeouts, run_job
 from loom.strategies.xla import export as xla_export
 
 
@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key:<{width}}  {value}")
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
+        check_timeouts(opts)
         if args.groups is not None or args.lighthouse:
             return _groups_command(entry, opts, args)
         ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads, opts.timeout)

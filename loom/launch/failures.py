@@ -5,7 +5,8 @@ file (``loom.launch.worker``) instead of printing it, so that four ranks failing
 print one traceback, not four. Ranks that exited because another one failed
 (``RankFailureError.EXIT_CODE``, or the agent's SIGTERM) are not causes, even when they
 exited first (a stuck rank is the last to go), nor is a rank killed by SIGKILL once the agent's
-SIGTERM has waited for it in vain.
+SIGTERM has waited for it in vain, unless the others named it hung: then it is the cause, and
+the agent's kill is said to be loom's, for the hang.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def fault_dump(rank: int) -> str:
         return ""
 
 
-def _what(rank: int, failure: ProcessFailure, plural: bool) -> str:
+def _what(rank: int, failure: ProcessFailure, plural: bool, hung: Mapping[int, str]) -> str:
+    if rank in hung:
+        return f"{hung[rank]}, and loom stopped {'them' if plural else 'it'} for the hang ({failure.signal_name()})"
     exception = exception_of(failure)
     if exception is not None:
         return f"failed: {exception[0]}"
@@ -80,34 +83,36 @@ def tracebacks(failures: Mapping[int, ProcessFailure]) -> list[str]:
     return list(seen.values())
 
 
-def cause(failures: Mapping[int, ProcessFailure], world_size: int) -> str:
+def cause(failures: Mapping[int, ProcessFailure], world_size: int, hung: Mapping[int, str] | None = None) -> str:
     """Which ranks failed and how, as one sentence; ranks failing the same way share a clause.
 
     ``all 4 ranks failed: TypeError: ...`` when every rank of the job failed alike;
     otherwise each way of failing is named with its ranks, and the ranks that stopped
-    because of them are listed last.
+    because of them are listed last. ``hung``: ranks the others named hung, with how
+    (``stopped responding (no heartbeat for 30s)``); one the agent had to kill is the cause.
     """
     first = min(f.timestamp for f in failures.values())
-    causes = {r: f for r, f in failures.items() if exception_of(f) is not None or not _stopped(f, first)}
+    killed = {r: how for r, how in (hung or {}).items() if r in failures and failures[r].exitcode == -signal.SIGKILL and _stopped(failures[r], first)}
+    causes = {r: f for r, f in failures.items() if exception_of(f) is not None or not _stopped(f, first) or r in killed}
     causes = causes or dict(failures)
     groups: dict[str, list[int]] = {}
     for rank, failure in sorted(causes.items(), key=lambda item: (item[1].timestamp, item[0])):
-        groups.setdefault(_what(rank, failure, plural=False), []).append(rank)
+        groups.setdefault(_what(rank, failure, plural=False, hung=killed), []).append(rank)
     host = socket.gethostname()
     clauses = []
     for what, ranks in groups.items():
         if len(ranks) == 1:
             clauses.append(f"rank {ranks[0]} on {host} (pid {causes[ranks[0]].pid}) {what}")
         elif len(ranks) == world_size:
-            clauses.append(f"all {world_size} ranks {_what(ranks[0], causes[ranks[0]], plural=True)}")
+            clauses.append(f"all {world_size} ranks {_what(ranks[0], causes[ranks[0]], plural=True, hung=killed)}")
         else:
-            clauses.append(f"ranks {_ranks(ranks)} on {host} {_what(ranks[0], causes[ranks[0]], plural=True)}")
+            clauses.append(f"ranks {_ranks(ranks)} on {host} {_what(ranks[0], causes[ranks[0]], plural=True, hung=killed)}")
     stopped = sorted(set(failures) - set(causes))
     if stopped:
         clauses.append(f"rank(s) {_ranks(stopped)} stopped because of {'it' if len(groups) == 1 else 'them'}")
     return "; ".join(clauses)
 
 
-def report(failures: Mapping[int, ProcessFailure], world_size: int, headline: str) -> str:
-    """The tracebacks, then ``loom: HEADLINE: cause``."""
-    return "".join(tracebacks(failures)) + f"loom: {headline}: {cause(failures, world_size)}"
+def report(failures: Mapping[int, ProcessFailure], world_size: int, headline: str, hung: Mapping[int, str] | None = None) -> str:
+    """The tracebacks, then ``loom: HEADLINE: cause`` (``hung``: as ``cause`` takes it)."""
+    return "".join(tracebacks(failures)) + f"loom: {headline}: {cause(failures, world_size, hung)}"

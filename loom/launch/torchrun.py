@@ -21,7 +21,9 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from loom.cluster import NodeSpec, resolve_node
 from loom.compat import run_torchrun, torchrun_accepts
-from loom.comm.process_group import TIMEOUT_ENV
+from loom.checkpoint.arrival import resolve_wait
+from loom.comm.health import resolve_hang_check, resolve_silence_limit
+from loom.comm.process_group import TIMEOUT_ENV, resolve_timeout
 from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
 from loom.launch.agent import reporting_agent, wait_report_interval
@@ -179,11 +181,20 @@ def interface_towards(address: str) -> str | None:
     return None
 
 
+def check_timeouts(opts: LaunchOptions) -> None:
+    """Refuse, in one line naming it, a timeout the workers would read that cannot bound a wait
+    (``nan`` would switch it off; garbage would fail every rank with a traceback)."""
+    resolve_timeout(opts.timeout, "--timeout")
+    for resolve in (resolve_silence_limit, resolve_hang_check, resolve_wait, wait_report_interval):
+        resolve()
+
+
 def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) -> int:
     """Run this node's workers to completion; returns the exit code for the launching process.
 
     ``layout`` replaces the processes' part of the job's first line (a replica group says which it is).
     """
+    check_timeouts(opts)
     argv = torchrun_argv(opts, entry)
     wait_report = wait_report_interval()
     os.environ.update(worker_environment(opts))
@@ -193,11 +204,12 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
     world_size = node.nnodes * opts.processes()
     # torchrun's own logging repeats what loom.launch.failures says in one line.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
-        with reporting_agent(node, world_size, wait_report):
+        with reporting_agent(node, world_size, wait_report, hung):
             run_torchrun(argv)
     except ChildFailedError as error:
-        print(report(error.failures, world_size, "job failed"), file=sys.stderr, flush=True)
+        print(report(error.failures, world_size, "job failed", hung), file=sys.stderr, flush=True)
         return 1
     except SignalException as stop:  # the agent has stopped the workers (SIGTERM, then SIGKILL)
         name = signal.Signals(stop.sigval).name

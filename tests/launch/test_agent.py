@@ -22,5 +22,5 @@ def test_a_bad_report_interval_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("LOOM_RENDEZVOUS_REPORT", "soon")
     assert main(["run", "--nproc", "1", "x.py"]) == 2
     assert capsys.readouterr().err == (
-        "loom: error: LOOM_RENDEZVOUS_REPORT='soon' is not a positive number of seconds; unset it for the default (30)\n"
+        "loom: error: LOOM_RENDEZVOUS_REPORT='soon' is not a finite positive number of seconds; unset it for the default (30)\n"
     )

@@ -3,6 +3,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from loom.launch import torchrun
 from loom.launch.cli import main
 from loom.launch.shadow import shadowing_folder
@@ -66,6 +68,26 @@ def test_bad_cli_input_is_one_line(capsys):
     assert capsys.readouterr().err.startswith("loom: error: --workers is for parameter-server jobs: add --ps N (one machine) or --ps-hosts")
     assert main(["run", "--ps", "1", "--ps-hosts", "h:1", "--role", "ps", "x.py"]) == 2
     assert "across machines use --ps-hosts and --role instead" in capsys.readouterr().err
+
+
+TIMEOUTS = {"LOOM_TIMEOUT": 300, "LOOM_HEARTBEAT_TIMEOUT": 30, "LOOM_HANG_CHECK": 15, "LOOM_SAVE_TIMEOUT": 10, "LOOM_RENDEZVOUS_REPORT": 30}
+
+
+@pytest.mark.parametrize("name", TIMEOUTS)
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "0", "ten"])
+def test_a_timeout_that_cannot_bound_a_wait_is_one_line_naming_it(name, value, capsys, monkeypatch):
+    # nan passed the old check and switched the heartbeat off; a job (here, one that would fail
+    # on its missing script) must not start at all.
+    monkeypatch.setenv(name, value)
+    assert main(["run", "--nproc", "1", "missing.py"]) == 2
+    line = f"{name}={value!r} is not a finite positive number of seconds; unset it for the default ({TIMEOUTS[name]})"
+    assert capsys.readouterr().err == f"loom: error: {line}\n"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5"])
+def test_a_timeout_flag_that_cannot_bound_a_wait_is_one_line(value, capsys):
+    assert main(["run", "--nproc", "1", "--timeout", value, "missing.py"]) == 2
+    assert capsys.readouterr().err == f"loom: error: --timeout must be a finite positive number of seconds, got {float(value)}\n"
 
 
 def test_a_job_across_machines_needs_its_token(capsys, monkeypatch):

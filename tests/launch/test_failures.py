@@ -1,6 +1,8 @@
 """A dead or stuck rank is named within the timeout; jobs that succeed exit cleanly."""
 
+import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -52,7 +54,7 @@ def test_kill_9_of_one_rank_names_it_everywhere(tmp_path):
     assert "loom: job failed: rank 2 on" in err and "was killed by SIGKILL; rank(s) 0, 1, 3 stopped because of it" in err
 
 
-def test_stuck_rank_is_named_within_the_timeout(tmp_path):
+def test_stuck_rank_is_named_within_the_timeout_and_last_as_stopped_by_loom(tmp_path):
     timeout = 6
     job = start_training(tmp_path, timeout)
     pids = wait_for_pids(tmp_path, job)
@@ -67,10 +69,19 @@ def test_stuck_rank_is_named_within_the_timeout(tmp_path):
                 survivors.add(int(line.split("loom: rank ")[1].split()[0]))
         assert time.monotonic() - stopped_at < timeout + 10
         assert survivors == {0, 2, 3}
+        _, err = job.communicate(timeout=90)  # the agent's SIGTERM cannot end a stopped rank: it kills it 30 s later
     finally:
-        os.kill(pids[1], signal.SIGKILL)
-        job.communicate(timeout=60)
+        job.kill()
+        with contextlib.suppress(ProcessLookupError):  # gone already, unless the test failed
+            os.kill(pids[1], signal.SIGKILL)
     assert job.returncode != 0
+    # It used to end "rank 1 ... was killed by SIGKILL": the agent's own kill, read as the cause.
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"loom: job failed: rank 1 on {re.escape(socket.gethostname())} \(pid {pids[1]}\) stopped responding \(no heartbeat for [\d.]+s\), "
+        r"and loom stopped it for the hang \(SIGKILL\); rank\(s\) 0, 2, 3 stopped because of it",
+        last,
+    ), err[-2000:]
 
 
 def test_repeated_launches_exit_cleanly():

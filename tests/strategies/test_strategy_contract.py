@@ -112,7 +112,8 @@ def test_accumulate_entered_per_iteration_is_refused():
         (lambda: loom.OneDeviceStrategy(precision="fp8"), ValueError, "unknown precision 'fp8'; use one of '32', 'bf16-mixed', '16-mixed'"),
         (lambda: loom.get_strategy("horovod"), ValueError, "unknown strategy 'horovod'; choose one of: one_device, mirrored, multi_worker_mirrored"),
         (lambda: loom.MirroredStrategy(), LaunchError, r"MirroredStrategy runs one process per replica: start the script with `loom run script.py` or call loom.launch\(main\) in it"),
-        (lambda: loom.OneDeviceStrategy(timeout=-1), ClusterError, "timeout must be a positive number of seconds, got -1"),
+        (lambda: loom.OneDeviceStrategy(timeout=-1), ClusterError, "timeout must be a finite positive number of seconds, got -1"),
+        (lambda: loom.OneDeviceStrategy(timeout=float("nan")), ClusterError, "timeout must be a finite positive number of seconds, got nan"),
     ],
 )
 def test_bad_strategy_arguments(build, error, message):
@@ -137,9 +138,10 @@ def test_loom_timeout_environment_variable(monkeypatch):
     monkeypatch.setenv("LOOM_TIMEOUT", "42")
     assert loom.OneDeviceStrategy().timeout == 42
     assert loom.OneDeviceStrategy(timeout=7).timeout == 7
-    monkeypatch.setenv("LOOM_TIMEOUT", "soon")
-    with pytest.raises(ClusterError, match=r"LOOM_TIMEOUT='soon' is not a positive number of seconds; unset it for the default \(300\)"):
-        loom.OneDeviceStrategy()
+    for value in ("soon", "nan", "inf"):  # nan and inf used to pass, then fail every rank with a raw error
+        monkeypatch.setenv("LOOM_TIMEOUT", value)
+        with pytest.raises(ClusterError, match=rf"LOOM_TIMEOUT='{value}' is not a finite positive number of seconds; unset it for the default \(300\)"):
+            loom.OneDeviceStrategy()
 
 
 def test_more_processes_than_gpus(monkeypatch):
