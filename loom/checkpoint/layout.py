@@ -180,10 +180,6 @@ class Manifest:
     sizes: dict[str, int]
     digests: dict[str, list[str]] | None
 
-    def intact(self, name: str, block: int) -> bool:
-        """Whether a block of the file ``name`` has the digest recorded (True when none was)."""
-        return self.digests is None or digest_block(self.path / name, block, unreadable="") == self.digests[name][block]
-
     def check(self, names: Iterable[str]) -> None:
         """Raise, naming the file, when one of ``names`` is not listed or differs from its recorded digests."""
         names = list(names)
