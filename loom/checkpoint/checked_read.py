@@ -2,9 +2,9 @@
 
 The blocks a load reads are hashed on a pool of threads, in the order DCP reads them, from a
 memory map of the file: the very pages of the page cache that DCP's reads then copy from, so
-nothing is read twice. DCP's view of each file waits, before every read, until the blocks the
-read covers match their digests; a damaged block is never handed on, and the load stops before
-any tensor made from it reaches the objects being restored.
+nothing is read twice. DCP's view of each file reads block by block, each once it matches its
+digest, so DCP copies one block while the next is hashed; a damaged block is never handed on,
+and the load stops before any tensor made from it reaches the objects being restored.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ class CheckedBlocks:
             self._intact[name, index] = self._pool.submit(self._check, self._map(name), name, index)
         self.damaged: CheckpointError | None = None  # the error of the first damaged block met
 
-    def wait(self, name: str, start: int, end: int) -> None:
-        """Return once the blocks holding bytes ``start`` to ``end`` of ``name`` match their digests; raise naming the file otherwise."""
-        for index in range(start // BLOCK, max(start, end - 1) // BLOCK + 1) if start < end else ():
-            if not self._intact[name, index].result():
-                self.damaged = self.damaged or CheckpointError(damage(self._listed.path / name))
-                raise self.damaged
+    def wait(self, name: str, index: int) -> None:
+        """Return once a block of ``name`` matches its digest; raise naming the file otherwise."""
+        if not self._intact[name, index].result():
+            self.damaged = self.damaged or CheckpointError(damage(self._listed.path / name))
+            raise self.damaged
 
     def view(self, entry: Any, read: io.IOBase) -> CheckedView:
         """``read``, DCP's view of a storage ``entry``'s bytes, reading only checked blocks."""
@@ -86,6 +85,16 @@ class CheckedView(io.RawIOBase):
         return self._file.seek(offset, whence)
 
     def readinto(self, buffer: Any) -> int:  # type: ignore[override]
-        at = self._start + self._file.tell()
-        self._blocks.wait(self._name, at, min(at + memoryview(buffer).nbytes, self._end))
-        return self._file.readinto(buffer)  # type: ignore[attr-defined]
+        """Block by block, each once it is checked: DCP copies one while the next is hashed."""
+        out, done = memoryview(buffer).cast("B"), 0
+        while done < len(out):
+            at = self._start + self._file.tell()
+            end = min(at + len(out) - done, (at // BLOCK + 1) * BLOCK, self._end)
+            if end <= at:
+                break
+            self._blocks.wait(self._name, at // BLOCK)
+            n = self._file.readinto(out[done : done + end - at])  # type: ignore[attr-defined]
+            if not n:
+                break
+            done += n
+        return done

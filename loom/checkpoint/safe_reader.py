@@ -82,7 +82,7 @@ class SafeFileSystemReader(FileSystemReader):
                 raise _stored_as_bytes(self, item)
         items = sorted(plan.items, key=lambda item: _place(self.storage_data[item.storage_index]))
         if self._listed.digests is not None:
-            self._blocks = CheckedBlocks(self._listed, (block for item in items for block in _blocks(self.storage_data[item.storage_index])))
+            self._blocks = CheckedBlocks(self._listed, (block for item in items for block in _as_read(self.storage_data[item.storage_index])))
         try:
             return super().read_data(dataclasses.replace(plan, items=items), planner)
         except CheckpointError:
@@ -119,10 +119,11 @@ def _place(info: Any) -> tuple[str, int]:
     return info.relative_path, info.offset
 
 
-def _blocks(info: Any) -> list[tuple[str, int]]:
-    """The digest blocks a storage entry's bytes lie in."""
+def _as_read(info: Any) -> list[tuple[str, int]]:
+    """The digest blocks a storage entry's bytes lie in, in the order torch.load reads them: the
+    last first (the zip's directory, at its end), then from the first on."""
     first, last = info.offset // BLOCK, (info.offset + max(info.length, 1) - 1) // BLOCK
-    return [(info.relative_path, block) for block in range(first, last + 1)]
+    return [(info.relative_path, block) for block in [last, *range(first, last)]]
 
 
 @contextmanager
