@@ -4,7 +4,9 @@ The blocks a load reads are hashed on a pool of threads, in the order DCP reads 
 memory map of the file: the very pages of the page cache that DCP's reads then copy from, so
 nothing is read twice. DCP's view of each file reads block by block, each once it matches its
 digest, so DCP copies one block while the next is hashed; a damaged block is never handed on,
-and the load stops before any tensor made from it reaches the objects being restored.
+and the load stops before any tensor made from it reaches the objects being restored. (As with
+any memory map, torch.load(mmap=True)'s included, a file cut short by another process while it
+is being read ends this one with SIGBUS.)
 """
 
 from __future__ import annotations
@@ -44,12 +46,8 @@ class CheckedBlocks:
         return CheckedView(self, entry.relative_path, entry.offset, entry.offset + entry.length, read)
 
     def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)  # waits for the running ones: they hash from the maps
-        for view in self._maps.values():
-            mapped = view.obj
-            view.release()
-            if isinstance(mapped, mmap.mmap):
-                mapped.close()
+        self._pool.shutdown(cancel_futures=True)
+        self._maps.clear()  # each map is unmapped once no view of it is left
 
     def _map(self, name: str) -> memoryview:
         if name not in self._maps:
