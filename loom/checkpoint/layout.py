@@ -38,7 +38,7 @@ from loom.errors import CheckpointError
 
 MARKER = "COMMITTED"
 DIGEST = "sha256"  # hashlib's name, and the key of the digests in MARKER
-BLOCK = 2**24  # bytes a digest covers: a reader checks the blocks it needs first, several at once
+BLOCK = 2**24  # bytes a digest covers: a reader checks each block before it reads it, the next ones meanwhile
 HASH_THREADS = 8  # at most; hashlib releases the GIL
 _STEP = re.compile(r"^step-(\d+)$")
 _REPLACED = re.compile(r"^\.replaced-step-(\d+)$")
@@ -146,10 +146,9 @@ def digest_block(file: Path, index: int, unreadable: str | None = None) -> str:
     return digest.hexdigest()
 
 
-def hash_threads() -> int:
-    """Threads to hash with: one per core, since the reading thread waits on their digests as often as it
-    reads (500 MB restored on 2 cores: 1.63x the unverified time with one thread, 1.36x with two)."""
-    return max(1, min(HASH_THREADS, available_cores()))
+def hash_threads(spare: int = 0) -> int:
+    """Threads to hash with: one per core, less ``spare`` cores left to other work; at least one."""
+    return max(1, min(HASH_THREADS, available_cores() - spare))
 
 
 def prune(root: str | os.PathLike, keep: int) -> None:
@@ -179,10 +178,6 @@ class Manifest:
     path: Path
     sizes: dict[str, int]
     digests: dict[str, list[str]] | None
-
-    def intact(self, name: str, block: int) -> bool:
-        """Whether a block of the file ``name`` has the digest recorded (True when none was)."""
-        return self.digests is None or digest_block(self.path / name, block, unreadable="") == self.digests[name][block]
 
     def check(self, names: Iterable[str]) -> None:
         """Raise, naming the file, when one of ``names`` is not listed or differs from its recorded digests."""

@@ -18,12 +18,12 @@ nothing in them that DCP would read other than as a tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePath
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from loom.checkpoint.layout import BLOCK, MARKER, Manifest, damage, hash_threads
+from loom.checkpoint.checked_read import CheckedBlocks
+from loom.checkpoint.layout import BLOCK, MARKER, Manifest
 from loom.compat import DCP_INDEX_CLASSES, dcp_index_path, dcp_storage_info
 from loom.errors import CheckpointError
 
@@ -58,13 +59,14 @@ class _IndexUnpickler(pickle.Unpickler):
 
 class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, given the index ``read_index`` checked. It reads tensors only (DCP reads
-    them with ``weights_only=True``), checks the digests of the blocks it reads on other threads
-    meanwhile, and lets a tensor into the objects being restored only once its blocks match."""
+    them with ``weights_only=True``), and each from blocks read once and checked against their
+    digests before DCP gets a byte of them (``checked_read``)."""
 
     def __init__(self, path: str | Path, metadata: Metadata, listed: Manifest) -> None:
         super().__init__(path)
         self._metadata = metadata
         self._listed = listed
+        self._blocks: CheckedBlocks | None = None
         self._reading: Any = None  # the storage entry DCP reads now
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -74,35 +76,32 @@ class SafeFileSystemReader(FileSystemReader):
         return self._metadata
 
     def read_data(self, plan: Any, planner: Any) -> Any:
-        """DCP's reading, with the digests of the blocks it reads checked on other threads meanwhile."""
+        """DCP's reading, in file order, from checked blocks."""
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:  # DCP would torch.load it with weights_only=False
                 raise _stored_as_bytes(self, item)
-        infos = [self.storage_data[item.storage_index] for item in plan.items]
-        blocks = list(dict.fromkeys(block for info in infos for block in _blocks(info)))  # in the order DCP reads them
-        pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="loom-digest")
+        items = sorted(plan.items, key=lambda item: _place(self.storage_data[item.storage_index]))
+        if self._listed.digests is not None:
+            self._blocks = CheckedBlocks(self._listed, (block for item in items for block in _as_read(self.storage_data[item.storage_index])))
         try:
-            intact = {block: pool.submit(self._listed.intact, *block) for block in blocks} if self._listed.digests else {}
-            try:
-                return super().read_data(plan, _AfterDigest(planner, self, intact))
-            except CheckpointError:
-                raise
-            except Exception as error:  # damage explains it best; else name the tensor (torch's words advise weights_only=False)
-                self._check(intact, blocks)
-                raise CheckpointError(f"{self._where()} is not a tensor that loads with weights_only=True ({type(error).__name__})") from error
+            return super().read_data(dataclasses.replace(plan, items=items), planner)
+        except CheckpointError:
+            raise
+        except Exception as error:  # damage explains it best (torch.load loses the error); else name the tensor
+            if self._blocks is not None and self._blocks.damaged is not None:
+                raise self._blocks.damaged from error
+            raise CheckpointError(f"{self._where()} is not a tensor that loads with weights_only=True ({type(error).__name__})") from error
         finally:
-            pool.shutdown(cancel_futures=True)
-
-    def _check(self, intact: dict[tuple[str, int], Future], blocks: Iterable[tuple[str, int]]) -> None:
-        for block in blocks:
-            if block in intact and not intact[block].result():
-                raise CheckpointError(damage(Path(self.path) / block[0]))
+            if self._blocks is not None:
+                self._blocks.close()
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         """DCP slices each entry's bytes out of its file just before loading them (a private hook:
-        should torch rename it, errors name the checkpoint instead of the tensor)."""
+        should torch rename it, errors name the checkpoint instead of the tensor); here out of checked blocks."""
         self._reading = sinfo
-        return super()._slice_file(file, sinfo)
+        if self._blocks is None:
+            return super()._slice_file(file, sinfo)
+        return self._blocks.view(sinfo, super()._slice_file(file, sinfo))
 
     def _where(self) -> str:
         info = self._reading
@@ -112,33 +111,19 @@ class SafeFileSystemReader(FileSystemReader):
         return f"{Path(self.path) / info.relative_path}: '{key}' (bytes {info.offset}-{info.offset + info.length})"
 
 
-class _AfterDigest:
-    """The planner DCP's ``read_data`` copies tensors through (``resolve_tensor``, then
-    ``commit_tensor``, ``load_bytes``: ``StorageReader.read_data``'s contract): a tensor is handed
-    its target only once the blocks it was read from match their digests."""
-
-    def __init__(self, planner: Any, reader: SafeFileSystemReader, intact: dict[tuple[str, int], Future]) -> None:
-        self._planner, self._reader, self._intact = planner, reader, intact
-
-    def resolve_tensor(self, item: Any) -> torch.Tensor:
-        self._reader._check(self._intact, _blocks(self._reader.storage_data[item.storage_index]))
-        return self._planner.resolve_tensor(item)
-
-    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
-        self._planner.commit_tensor(item, tensor)
-
-    def load_bytes(self, item: Any, value: Any) -> None:
-        raise _stored_as_bytes(self._reader, item)
-
-
 def _stored_as_bytes(reader: FileSystemReader, item: Any) -> CheckpointError:
     return CheckpointError(f"{index_file(Path(reader.path))}: '{item.storage_index.fqn}' is stored as bytes, which loom never writes: refusing to read it")
 
 
-def _blocks(info: Any) -> list[tuple[str, int]]:
-    """The digest blocks a storage entry's bytes lie in."""
+def _place(info: Any) -> tuple[str, int]:
+    return info.relative_path, info.offset
+
+
+def _as_read(info: Any) -> list[tuple[str, int]]:
+    """The digest blocks a storage entry's bytes lie in, in the order torch.load reads them: the
+    last first (the zip's directory, at its end), then from the first on."""
     first, last = info.offset // BLOCK, (info.offset + max(info.length, 1) - 1) // BLOCK
-    return [(info.relative_path, block) for block in range(first, last + 1)]
+    return [(info.relative_path, block) for block in [last, *range(first, last)]]
 
 
 @contextmanager

@@ -23,11 +23,11 @@ def recommit(path: Path) -> None:
     (path / "COMMITTED").write_text(json.dumps(listing))
 
 
-def flip(file: Path, count: int = 16) -> None:
-    """Invert ``count`` bytes in the middle of ``file``; its size stays the same."""
+def flip(file: Path, count: int = 16, at: int | None = None) -> None:
+    """Invert ``count`` bytes from ``at`` (None: the middle; negative: from the end) of ``file``; its size stays the same."""
     data = bytearray(file.read_bytes())
-    middle = len(data) // 2
-    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    start = len(data) // 2 if at is None else at % len(data)
+    data[start : start + count] = bytes(b ^ 0xFF for b in data[start : start + count])
     file.write_bytes(bytes(data))
 
 

@@ -107,6 +107,26 @@ def test_the_commit_records_the_sha256_of_each_16_mib_of_every_file(tmp_path):
         strategy.restore(tmp_path, model=model, optimizer=opt, big=torch.zeros(2**23))
 
 
+@pytest.mark.parametrize("at", [0, 2**24 - 8, -16], ids=["first bytes", "across a block boundary", "last bytes"])
+def test_a_damaged_block_is_refused_before_dcp_reads_a_byte_of_it(tmp_path, at):
+    """Wherever the damage lies: the zip header DCP reads first, the end it seeks to first, or tensor bytes across two blocks.
+    Had DCP read it, torch.load would fail on its own words or load the damaged values."""
+    strategy, model, opt = _trained()
+    big = torch.arange(2**23, dtype=torch.float32)  # 32 MiB: its file has three blocks
+    path = strategy.save(tmp_path, step=1, model=model, optimizer=opt, big=big)
+    saved = _values(model) + [big]
+    damaged = _largest_tensor_file(path)
+    tamper.flip(damaged, at=at)
+    fresh, fresh_model, fresh_opt = _trained(seed=5)
+    fresh_big = torch.zeros(2**23)
+    before = _values(fresh_model) + [fresh_big.clone()]
+    with pytest.raises(CheckpointError) as raised:
+        fresh.restore(tmp_path, model=fresh_model, optimizer=fresh_opt, big=fresh_big)
+    assert str(raised.value).startswith(f"{damaged}: damaged: its content differs from the sha256 recorded when it was saved; ")
+    for now, old, good in zip(_values(fresh_model) + [fresh_big], before, saved):
+        assert torch.equal(now, old) or torch.equal(now, good)
+
+
 def test_flipped_bytes_are_named_and_no_damaged_value_reaches_the_model(tmp_path):
     strategy, model, opt = _trained()
     path = strategy.save(tmp_path, step=1, model=model, optimizer=opt)
