@@ -61,12 +61,18 @@ def _refusals() -> dict[str, str]:
         "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
         "compile": lambda: loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], compile="inductr"),
         "compiled_model": lambda: loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(torch.compile(GPT(tp_gpt.CONFIG))),
+        "compiled_after": lambda: _compiled_after_prepare()(torch.zeros(2, tp_gpt.CONFIG.context, dtype=torch.long)),
     }.items():
         try:
             attempt()
         except (RuntimeError, TypeError, ValueError) as error:
             refused[name] = f"{type(error).__name__}: {error}"
     return refused
+
+
+def _compiled_after_prepare() -> torch.nn.Module:
+    """``torch.compile(prepare(gpt))`` over FSDP and tensor parallel at once: refused at its first call."""
+    return torch.compile(loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(GPT(tp_gpt.CONFIG)), backend=COMPILE)
 
 
 @pytest.fixture(scope="session")
@@ -149,6 +155,8 @@ def test_a_pipeline_of_shards_checkpoint_restores_on_one_device(runs):
 
 @pytest.mark.timeout(300)
 def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_model_are_refused_in_one_line(runs):
+    """A model compiled after prepare is refused only where torch's tracer fails (tensor parallel under FSDP);
+    the contract's {"dp": 1, "tp": 2} runs it and equals one device."""
     for rank in runs[0]:
         refused = rank["refused"]
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
@@ -159,4 +167,7 @@ def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_mo
         assert refused["compiled_model"].startswith(
             "ValueError: HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): "
             "pass it the uncompiled model and compile=True")
+        assert refused["compiled_after"].startswith(
+            "ValueError: HybridStrategy cannot run torch.compile(model) over tensor-parallel weights that FSDP shards "
+            "(torch's tracer fails on them): call the prepared model uncompiled, and pass HybridStrategy(compile=True)")
         assert all("\n" not in line for line in refused.values())

@@ -43,6 +43,13 @@ COMPILED_REFUSAL = (
     "uncompiled model and compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
 )
 
+# torch.compile(prepared) traces the whole model too: it fails the same way where FSDP shards tensor-parallel weights.
+COMPILED_AFTER_REFUSAL = (
+    "HybridStrategy cannot run torch.compile(model) over tensor-parallel weights that FSDP shards (torch's tracer "
+    "fails on them): call the prepared model uncompiled, and pass HybridStrategy(compile=True) (or a backend's name, "
+    "e.g. compile='aot_eager'), which compiles each block"
+)
+
 
 class HybridStrategy(MeshStrategy):
     """Several parallelisms on one mesh: ``mesh={"dp": 2, "pp": 2}``, ``{"dp_shard": 2, "tp": 2}``, ``{"dp": 2, "dp_shard": 2}``.
@@ -132,6 +139,8 @@ class HybridStrategy(MeshStrategy):
             raise ValueError(COMPILED_REFUSAL)
         broadcast_states(module, self.device)
         self._parallelize(module, [module])
+        if self.mesh.size("tp") > 1 and self.mesh.size("dp") * self.mesh.size("dp_shard") > 1:
+            module.register_forward_pre_hook(_refuse_compiled_call, prepend=True)  # before FSDP's hooks are traced
         return module
 
     def _parallelize(self, model: nn.Module, units: list[nn.Module]) -> None:
@@ -200,3 +209,15 @@ def _blocks(unit: nn.Module) -> list[nn.Module]:
     if isinstance(own, nn.ModuleList) and len(own):
         return list(own)
     return blocks(unit) or [unit]
+
+
+def _refuse_compiled_call(module: nn.Module, args: Any) -> None:
+    """Refuse ``torch.compile(model)``'s trace of the whole model, at its first call (eager calls pass)."""
+    if torch.compiler.is_compiling():
+        _refuse_compiled()
+
+
+@torch.compiler.disable
+def _refuse_compiled() -> None:
+    """Raised where it runs, eagerly: an exception in traced code would only make torch fall back to eager."""
+    raise ValueError(COMPILED_AFTER_REFUSAL)
