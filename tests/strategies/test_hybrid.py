@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loom
-from examples.gpt_model import GPT
+from examples.gpt_model import GPT, next_byte_loss
 from tests.helpers import run_ranks
 from tests.scripts import tp_gpt
 
@@ -38,9 +38,19 @@ def _job(directory: str) -> dict:
             mesh=mesh, activation_checkpointing=name == "fsdp_x_tp", compile=COMPILE if name == "pp_x_fsdp" else False, timeout=60)
         results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None, seed_by_rank=True)
     results["tied"] = tp_gpt.train(lambda: loom.HybridStrategy(mesh=TIED_MESH, timeout=60), build=tp_gpt.TiedGPT, seed_by_rank=True)
+    results["lengths"] = _changing_lengths(loom.HybridStrategy(mesh=TIED_MESH, compile=COMPILE, timeout=60))
     results["hsdp_initial"] = _hsdp_initial()
     results["refused"] = _refusals()
     return results
+
+
+def _changing_lengths(strategy: loom.Strategy) -> list[float]:
+    """The losses of three steps on batches of three sequence lengths (every replica the same batch)."""
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(GPT(tp_gpt.CONFIG), tp_gpt.adamw)
+    step = strategy.train_step(model, next_byte_loss, opt)
+    batches = [torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(length)) for length in (8, 12, 16)]
+    return [float(step(x, x)) for x in batches]
 
 
 def _hsdp_initial() -> dict[str, torch.Tensor]:
@@ -106,6 +116,14 @@ def test_a_tied_embedding_and_head_stay_tied_over_tp_and_train_as_on_one_device(
         assert tied["tied"] and tied["replicas"] == 2
         assert tied["local_shapes"]["embed.weight"] == (tp_gpt.CONFIG.vocab // 2, tp_gpt.CONFIG.width)
         assert max((tied["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items()) <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_compiled_tensor_parallel_blocks_take_a_new_sequence_length(runs):
+    """A symbolic length fails torch's tracer on split layers: compile= traces each length instead."""
+    reference = _changing_lengths(loom.OneDeviceStrategy())
+    for rank in runs[0]:
+        assert rank["lengths"] == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.timeout(300)

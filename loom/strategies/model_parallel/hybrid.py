@@ -154,7 +154,9 @@ class HybridStrategy(MeshStrategy):
             if mine:
                 tensor_parallelize(model, self.device_mesh, mine)
         data = tuple(axis for axis in ("dp", "dp_shard") if axis in self.mesh.degrees)
-        options = {"backend": self.compile} if isinstance(self.compile, str) else {}
+        options: dict[str, Any] = {"backend": self.compile} if isinstance(self.compile, str) else {}
+        if self.mesh.size("tp") > 1:  # torch's tracer fails on a split layer whose input has a symbolic length
+            options["dynamic"] = False  # so a new sequence length compiles again, as TensorParallelStrategy's docs ask
         for unit in units:
             for block in _blocks(unit):
                 if self.activation_checkpointing:
