@@ -81,6 +81,7 @@ class Checkpointer:
         every file before the commit (survives a power loss, not just a kill). ``peers``: the
         job's health monitor, to tell a rank that died from one that did not call save.
         """
+        _refuse_empty_modules(state, "save")
         self.wait()
         meet("save", peers)
         step = self._agree_on_step(root, step)
@@ -203,6 +204,8 @@ class Checkpointer:
         With ``fallback``, a damaged checkpoint is reported and the one before it is tried.
         With ``strict=False``, tensors that only one side has are skipped, and reported.
         """
+        _refuse_a_file(Path(path))
+        _refuse_empty_modules(state, "restore")
         self.wait()
         meet("restore", peers)
         candidates = _candidates(Path(path), fallback)
@@ -318,6 +321,24 @@ def _finish_pending_saves() -> None:
 
 
 _at_exit: WeakSet[Checkpointer] = WeakSet()  # those that started an asynchronous save
+
+
+def _refuse_a_file(path: Path) -> None:
+    """A checkpoint is a directory: a file in one (its ``loom.json``) would find no checkpoint, and restore nothing."""
+    if path.is_file():
+        inside = (path.parent / layout.MARKER).is_file()
+        where = f"pass the checkpoint directory {path.parent} (or the one holding it, for its newest)" if inside else "pass a checkpoint directory"
+        raise ValueError(f"restore() takes a directory, and {path} is a file: {where}")
+
+
+def _refuse_empty_modules(state: dict[str, Any], verb: str) -> None:
+    """A module with no parameters or buffers has nothing to save or load (DCP's own error is torch's, not the user's)."""
+    for name, value in state.items():
+        if isinstance(value, torch.nn.Module) and not value.state_dict():
+            raise ValueError(
+                f"{verb}({name}=...) got a {type(value).__name__} with no parameters or buffers: nothing to {verb}; "
+                "pass the model that holds the weights (the module given to prepare(), or what it returned)"
+            )
 
 
 def _candidates(path: Path, fallback: bool) -> list[Path]:

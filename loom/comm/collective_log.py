@@ -10,11 +10,16 @@ site and the time, in a ring of our own; an entry of the recorder takes the site
 it was made in. A record is only read when asked for: a rank that hits a broken collective
 asks every rank, through the job's store, and each rank's heartbeat thread answers with its
 record and the stack of its main thread, without stopping it.
+
+Some calls that every rank of a group must make in the same order are not one collective:
+a pipeline's step is its stages' sends and receives, which the recorder does not see on gloo.
+``exchange`` records such a call as one entry of a group of its own, numbered like a collective.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -23,7 +28,7 @@ import sysconfig
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,25 +46,32 @@ STAMPED = ("all_reduce", "broadcast", "barrier", "all_gather", "all_gather_into_
 _INTERNAL = (*(str(Path(m.__file__).parent) + os.sep for m in (torch, loom)), sysconfig.get_paths()["stdlib"] + os.sep)
 _user_files: dict[str, bool] = {}  # file -> whether it is the user's, decided once
 _stamps: collections.deque = collections.deque(maxlen=DEFAULT_BUFFER)  # [start_ns, end_ns, thread, frames]
+_exchanges: collections.deque = collections.deque(maxlen=KEEP)  # (start_ns, call) of ``exchange``
+_exchange_seq: dict[str, int] = {}  # group -> number of its newest exchange
 
 
 def _is_user(filename: str) -> bool:
     return not filename.startswith(_INTERNAL) and not filename.startswith("<") and "/runpy.py" not in filename
 
 
+def _call_site(f: Any) -> list[tuple[str, int, str]]:
+    """The user's frames from ``f`` outwards: the call site and two callers (FSDP calls from deep in hooks)."""
+    frames, depth = [], 0
+    while f is not None and depth < 40 and len(frames) < 3:
+        code = f.f_code
+        user = _user_files.get(code.co_filename)  # a str caches its hash; a code object does not
+        if user is None:
+            user = _user_files[code.co_filename] = _is_user(code.co_filename)
+        if user:
+            frames.append((code.co_filename, f.f_lineno, code.co_name))
+        f, depth = f.f_back, depth + 1
+    return frames
+
+
 def _stamped(collective: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(collective)
     def call(*args: Any, **kwargs: Any) -> Any:
-        frames, f, depth = [], sys._getframe(1), 0
-        while f is not None and depth < 40 and len(frames) < 3:  # the call site and two callers (FSDP calls from deep in hooks)
-            code = f.f_code
-            user = _user_files.get(code.co_filename)  # a str caches its hash; a code object does not
-            if user is None:
-                user = _user_files[code.co_filename] = _is_user(code.co_filename)
-            if user:
-                frames.append((code.co_filename, f.f_lineno, code.co_name))
-            f, depth = f.f_back, depth + 1
-        stamp = [time.time_ns(), 0, threading.get_ident(), frames]
+        stamp = [time.time_ns(), 0, threading.get_ident(), _call_site(sys._getframe(1))]
         _stamps.append(stamp)
         try:
             return collective(*args, **kwargs)
@@ -84,6 +96,19 @@ def arm() -> None:
             setattr(dist, name, _stamped(fn))
 
 
+@contextlib.contextmanager
+def exchange(op: str, group: str, hint: str) -> Iterator[None]:
+    """Record the call made in this block as one collective ``op`` of ``group`` (a name of its own, not a
+    process group's), from the user's line; ``hint``: what to do when the ranks' calls part there.
+    It stays in flight if the block raises: the rank never finished it."""
+    seq = _exchange_seq[group] = _exchange_seq.get(group, 0) + 1
+    frames = [{"file": f, "line": n, "name": name} for f, n, name in _call_site(sys._getframe(1))]
+    call = {"group": group, "seq": seq, "op": op, "shapes": [], "dtypes": [], "frames": frames, "done": False, "hint": hint}
+    _exchanges.append((time.time_ns(), call))
+    yield
+    call["done"] = True
+
+
 def _site_of(entry: dict[str, Any], stamps: list[list]) -> list[dict[str, Any]]:
     """The user's frames of the stamped call the recorder's entry was made in (none for C++'s own, like DDP's)."""
     made, thread = entry["time_created_ns"], int(entry.get("thread_id") or 0)
@@ -96,9 +121,9 @@ def _site_of(entry: dict[str, Any], stamps: list[list]) -> list[dict[str, Any]]:
 def recent_calls(keep: int = KEEP) -> list[dict[str, Any]]:
     """The newest ``keep`` collectives this process issued, oldest first, as plain dicts."""
     stamps = list(_stamps)
-    calls = []
+    calls = [(start, dict(call)) for start, call in list(_exchanges)]
     for e in flight_recorder_entries()[-keep:]:
-        calls.append({
+        calls.append((e["time_created_ns"], {
             "group": str(e["process_group"][0]),
             "seq": int(e["collective_seq_id"] or e["p2p_seq_id"]),
             "op": e["profiling_name"].rsplit(":", 1)[-1],
@@ -106,8 +131,8 @@ def recent_calls(keep: int = KEEP) -> list[dict[str, Any]]:
             "dtypes": e["input_dtypes"],
             "frames": _site_of(e, stamps),
             "done": bool(e["retired"]),
-        })  # fmt: skip
-    return calls
+        }))  # fmt: skip
+    return [call for _, call in sorted(calls, key=lambda c: c[0])[-keep:]]
 
 
 def user_frames(frames: list[dict[str, Any]]) -> list[dict[str, Any]]:

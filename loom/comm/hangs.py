@@ -134,10 +134,12 @@ def rank_condition(path: str, line: int) -> tuple[str, int] | None:
 
 
 def _conditional(call: Call) -> str | None:
+    """The rank-dependent ``if`` around ``call``, and why that parts the ranks (a pipeline's call says why itself)."""
+    why = call.get("hint") or _SOME_RANKS
     for frame in call["frames"] or call.get("where") or []:
         found = rank_condition(frame["file"], frame["line"])
         if found is not None:
-            return f"{call['op']} at {_place(call)} runs under {found[0]} ({Path(frame['file']).name}:{found[1]}), on some ranks only: {_SOME_RANKS}"
+            return f"{call['op']} at {_place(call)} runs under {found[0]} ({Path(frame['file']).name}:{found[1]}), on some ranks only: {why}"
     return None
 
 
@@ -178,6 +180,7 @@ def explain(records: dict[int, Record], world_size: int, certain: bool = False) 
         records = {r: {**rec, "calls": [c for c in rec["calls"] if c["op"] not in P2P]} for r, rec in records.items()}
     clauses: list[str] = []
     causes: list[str] = []
+    hints: list[str] = []
     final = False
     groups = sorted({c["group"] for rec in records.values() for c in rec["calls"]})
     for group in groups:
@@ -189,6 +192,7 @@ def explain(records: dict[int, Record], world_size: int, certain: bool = False) 
             text = _divergence(calls, seq)
             clauses.append(f"collectives out of step at #{seq}: {text}" if current else f"the ranks' collectives first differed at #{seq}: {text}")
             involved = [per_rank[seq] for per_rank in calls.values() if seq in per_rank]
+            hints += [f"{c['op']} at {_place(c)}: {c['hint']}" for c in involved if c.get("hint")]
             final = True
         if seq is None or not current:
             positions = _positions(records, calls, diverged=seq is not None)
@@ -204,6 +208,7 @@ def explain(records: dict[int, Record], world_size: int, certain: bool = False) 
         causes += skipped
     if certain and not final:
         return None
+    causes += hints  # the calls that parted say what they need, where no `if` was found around them
     silent = sorted(set(range(world_size)) - set(records))
     if silent and clauses:
         clauses.append(f"{_ranks(silent)} did not answer")

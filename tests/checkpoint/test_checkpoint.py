@@ -187,6 +187,25 @@ def test_unsupported_values_are_refused_with_the_reason(tmp_path):
         strategy.save(tmp_path, step=1, model=model, extra=object())
 
 
+def test_a_file_inside_a_checkpoint_and_a_module_without_weights_are_refused_in_one_line(tmp_path):
+    strategy, model, _ = _trained()
+    path = strategy.save(tmp_path, step=3, model=model)
+    for name in ("loom.json", "rank-00000.json"):  # a file of the checkpoint found no checkpoint, and restored nothing
+        with pytest.raises(ValueError) as refused:
+            strategy.restore(path / name, model=model)
+        assert str(refused.value) == (
+            f"restore() takes a directory, and {path / name} is a file: pass the checkpoint directory {path} (or the one holding it, for its newest)"
+        )
+    for verb, call in {"restore": lambda: strategy.restore(tmp_path, model=nn.ReLU()), "save": lambda: strategy.save(tmp_path, step=4, model=nn.ReLU())}.items():
+        with pytest.raises(ValueError) as refused:  # it was torch's "Default process group has not been initialized"
+            call()
+        assert str(refused.value) == (
+            f"{verb}(model=...) got a ReLU with no parameters or buffers: nothing to {verb}; "
+            "pass the model that holds the weights (the module given to prepare(), or what it returned)"
+        )
+    assert committed(tmp_path) == [path]
+
+
 def test_portability_matrix_mirrored_4_to_one_device_and_mirrored_3(tmp_path):
     """Saved under MirroredStrategy with 4 replicas, restored exactly on 3 (uneven resharding) and on one.
 

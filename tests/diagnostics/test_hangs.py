@@ -237,6 +237,19 @@ def test_a_chief_only_evaluation_under_sharded_is_named_within_60_s_not_at_the_t
     assert f"all_gather at chief_only_job.py:{evaluate} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only" in last, last
 
 
+def test_a_chief_only_evaluation_under_a_pipeline_is_named_within_60_s_with_what_a_pipeline_needs():
+    # gloo's sends and receives leave no record in torch's: each stage's step and forward is one of loom's.
+    stderr, last, seconds = chief_only("pipeline")
+    assert seconds < 60, f"named {seconds:.0f}s after the divergence"
+    evaluate, train, guard = chief_line("EVAL_FORWARD"), chief_line("TRAIN_STEP"), chief_line("if step == 2")
+    assert last.startswith("loom: job failed: rank ") and " failed: HangError: " in last, stderr[-3000:]
+    assert f"rank 1 is in pipeline step #4 of group pp (chief_only_job.py:{train}) while rank 0 is in pipeline forward #4 of group pp (chief_only_job.py:{evaluate})" in last, last
+    assert (
+        f"pipeline forward at chief_only_job.py:{evaluate} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), "
+        "on some ranks only: under a pipeline every stage must run each forward and training step, evaluation included" in last
+    ), last
+
+
 def test_gloos_abort_on_a_chief_only_reduce_is_named_as_the_divergence_not_a_crash():
     stderr, last, seconds = chief_only("mirrored")
     reduce, train, guard = chief_line("EVAL_REDUCE"), chief_line("TRAIN_STEP"), chief_line("if step == 2")

@@ -1,9 +1,10 @@
-"""Two replicas train; after step 2 the chief evaluates alone, the usual chief-only code.
+"""Two processes train; after step 2 the chief evaluates alone, the usual chief-only code.
 
-argv: sharded or mirrored. Under Sharded the evaluation's forward all-gathers meet the other
-replica's training ones, and the job hangs; under Mirrored its metric's all-reduce meets the
-other's gradient all-reduce, of another size, and gloo aborts the chief. The chief prints
-when it starts to evaluate.
+argv: sharded, mirrored or pipeline. Under Sharded the evaluation's forward all-gathers meet
+the other replica's training ones, and the job hangs; under Mirrored its metric's all-reduce
+meets the other's gradient all-reduce, of another size, and gloo aborts the chief. Under
+Pipeline (two stages, one replica) the chief's forward sends to a stage that waits in its
+training step, and the job hangs. The chief prints when it starts to evaluate.
 """
 
 import sys
@@ -23,7 +24,7 @@ def evaluate(model, strategy):
 
 
 def main():
-    strategy = {"sharded": loom.ShardedStrategy, "mirrored": loom.MirroredStrategy}[sys.argv[1]]()
+    strategy = {"sharded": loom.ShardedStrategy, "mirrored": loom.MirroredStrategy, "pipeline": loom.PipelineStrategy}[sys.argv[1]]()
     net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     model, opt = strategy.prepare(net, lambda p: torch.optim.SGD(p, lr=0.1))
     train = strategy.train_step(model, F.cross_entropy, opt)

@@ -89,6 +89,10 @@ def _job(directory):
     step = tolerant.train_step(model, F.cross_entropy, opt)
     found["unused_steps"] = sum(1 for x, y in _batches(tolerant) if step(x, y) is not None)
 
+    try:  # what torch's own recipe gives: SyncBatchNorm layers, which run on GPUs only
+        strategy.prepare(nn.SyncBatchNorm.convert_sync_batchnorm(_with_batchnorm()))
+    except ValueError as error:
+        found["torch_sync_batchnorm"] = str(error)
     found["sync_batchnorm"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True))
     found["sync_batchnorm_fp16"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True, precision="16-mixed"))
     found["static_graph_accumulated"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, static_graph=True), accumulate=2)
@@ -136,6 +140,14 @@ def test_sync_batchnorm_uses_the_global_batch_statistics(job):
         for key, value in reference.items():
             torch.testing.assert_close(rank["sync_batchnorm"][key], value, rtol=1e-5, atol=1e-5, msg=key)
     assert (reference["1.running_mean"] - torch.zeros(8)).abs().max() > 0.1  # the statistics moved
+
+
+def test_torchs_sync_batchnorm_on_cpu_is_refused_with_the_option_that_syncs_there(job):
+    for rank in job:  # it was DDP's "SyncBatchNorm layers only work with GPU modules"
+        assert rank["torch_sync_batchnorm"] == (
+            "MirroredStrategy cannot run torch's SyncBatchNorm on CPU (layer '1'; torch's runs on GPUs only): keep the model's "
+            "BatchNorm layers (no convert_sync_batchnorm) and pass MirroredStrategy(sync_batchnorm=True), which syncs them over gloo"
+        )
 
 
 def test_accumulation_all_reduces_once_per_update(job):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import loom
-from examples.gpt_model import GPT
+from examples.gpt_model import GPT, next_byte_loss
 from tests.helpers import run_ranks
 from tests.scripts import tp_gpt
 
@@ -38,9 +38,19 @@ def _job(directory: str) -> dict:
             mesh=mesh, activation_checkpointing=name == "fsdp_x_tp", compile=COMPILE if name == "pp_x_fsdp" else False, timeout=60)
         results[name] = tp_gpt.train(make, save_to=f"{directory}/{name}" if name == "pp_x_fsdp" else None, seed_by_rank=True)
     results["tied"] = tp_gpt.train(lambda: loom.HybridStrategy(mesh=TIED_MESH, timeout=60), build=tp_gpt.TiedGPT, seed_by_rank=True)
+    results["lengths"] = _changing_lengths(loom.HybridStrategy(mesh=TIED_MESH, compile=COMPILE, timeout=60))
     results["hsdp_initial"] = _hsdp_initial()
     results["refused"] = _refusals()
     return results
+
+
+def _changing_lengths(strategy: loom.Strategy) -> list[float]:
+    """The losses of three steps on batches of three sequence lengths (every replica the same batch)."""
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(GPT(tp_gpt.CONFIG), tp_gpt.adamw)
+    step = strategy.train_step(model, next_byte_loss, opt)
+    batches = [torch.randint(0, 256, (4, length), generator=torch.Generator().manual_seed(length)) for length in (8, 12, 16)]
+    return [float(step(x, x)) for x in batches]
 
 
 def _hsdp_initial() -> dict[str, torch.Tensor]:
@@ -61,12 +71,18 @@ def _refusals() -> dict[str, str]:
         "fast_path": lambda: strategy.prepare(gpt, fast_path=True, example_input=torch.zeros(2, 8, dtype=torch.long)),
         "compile": lambda: loom.HybridStrategy(mesh=MESHES["pp_x_fsdp"], compile="inductr"),
         "compiled_model": lambda: loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(torch.compile(GPT(tp_gpt.CONFIG))),
+        "compiled_after": lambda: _compiled_after_prepare()(torch.zeros(2, tp_gpt.CONFIG.context, dtype=torch.long)),
     }.items():
         try:
             attempt()
         except (RuntimeError, TypeError, ValueError) as error:
             refused[name] = f"{type(error).__name__}: {error}"
     return refused
+
+
+def _compiled_after_prepare() -> torch.nn.Module:
+    """``torch.compile(prepare(gpt))`` over FSDP and tensor parallel at once: refused at its first call."""
+    return torch.compile(loom.HybridStrategy(mesh=MESHES["fsdp_x_tp"], timeout=60).prepare(GPT(tp_gpt.CONFIG)), backend=COMPILE)
 
 
 @pytest.fixture(scope="session")
@@ -100,6 +116,14 @@ def test_a_tied_embedding_and_head_stay_tied_over_tp_and_train_as_on_one_device(
         assert tied["tied"] and tied["replicas"] == 2
         assert tied["local_shapes"]["embed.weight"] == (tp_gpt.CONFIG.vocab // 2, tp_gpt.CONFIG.width)
         assert max((tied["weights"][k] - v).abs().max().item() for k, v in reference["weights"].items()) <= TOLERANCE
+
+
+@pytest.mark.timeout(300)
+def test_compiled_tensor_parallel_blocks_take_a_new_sequence_length(runs):
+    """A symbolic length fails torch's tracer on split layers: compile= traces each length instead."""
+    reference = _changing_lengths(loom.OneDeviceStrategy())
+    for rank in runs[0]:
+        assert rank["lengths"] == pytest.approx(reference, rel=1e-5)
 
 
 @pytest.mark.timeout(300)
@@ -149,6 +173,8 @@ def test_a_pipeline_of_shards_checkpoint_restores_on_one_device(runs):
 
 @pytest.mark.timeout(300)
 def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_model_are_refused_in_one_line(runs):
+    """A model compiled after prepare is refused only where torch's tracer fails (tensor parallel under FSDP);
+    the contract's {"dp": 1, "tp": 2} runs it and equals one device."""
     for rank in runs[0]:
         refused = rank["refused"]
         assert refused["backward"].startswith("RuntimeError: HybridStrategy with a pp axis runs forward and backward together in its schedule")
@@ -159,4 +185,7 @@ def test_the_eager_loop_and_an_optimizer_object_with_a_pp_axis_and_a_compiled_mo
         assert refused["compiled_model"].startswith(
             "ValueError: HybridStrategy compiles each block itself (torch cannot trace the whole model around FSDP's hooks): "
             "pass it the uncompiled model and compile=True")
+        assert refused["compiled_after"].startswith(
+            "ValueError: HybridStrategy cannot run torch.compile(model) over tensor-parallel weights that FSDP shards "
+            "(torch's tracer fails on them): call the prepared model uncompiled, and pass HybridStrategy(compile=True)")
         assert all("\n" not in line for line in refused.values())

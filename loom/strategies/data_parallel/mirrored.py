@@ -25,7 +25,7 @@ from loom.comm.compression import Compression, PowerSGD, check_compression, choo
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
-from loom.strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm
+from loom.strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm, refuse_torch_sync_batchnorm
 
 
 class MirroredStrategy(Strategy):
@@ -117,8 +117,9 @@ class MirroredStrategy(Strategy):
         return self._device
 
     def _wrap_model(self, module: nn.Module) -> nn.Module:
-        if self.sync_batchnorm:
+        if self.sync_batchnorm:  # torch's SyncBatchNorm layers too: on CPU they become loom's
             module = convert_sync_batchnorm(module, self._device)
+        refuse_torch_sync_batchnorm(module, self._device, type(self).__name__)
         shapes = [p.shape for p in module.parameters() if p.requires_grad]
         compression = self._resolve_compression(shapes)
         ddp = ReplicatedModule(

@@ -76,6 +76,17 @@ def convert_sync_batchnorm(module: nn.Module, device: torch.device) -> nn.Module
     return module
 
 
+def refuse_torch_sync_batchnorm(module: nn.Module, device: torch.device, strategy: str) -> None:
+    """torch's ``SyncBatchNorm`` (``nn.SyncBatchNorm.convert_sync_batchnorm(model)``) runs on GPUs only: on CPU,
+    name the option that syncs the statistics there instead of DDP's error."""
+    name = next((n for n, m in module.named_modules() if isinstance(m, nn.SyncBatchNorm)), None)
+    if device.type == "cpu" and name is not None:
+        raise ValueError(
+            f"{strategy} cannot run torch's SyncBatchNorm on CPU (layer '{name}'; torch's runs on GPUs only): keep the "
+            f"model's BatchNorm layers (no convert_sync_batchnorm) and pass {strategy}(sync_batchnorm=True), which syncs them over gloo"
+        )
+
+
 def first_batchnorm(model: nn.Module) -> str | None:
     """The name of ``model``'s first BatchNorm layer, for the strategies that refuse one; None without."""
     return next((name for name, module in model.named_modules() if isinstance(module, BatchNormBase)), None)

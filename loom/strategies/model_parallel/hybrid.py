@@ -44,6 +44,13 @@ COMPILED_REFUSAL = (
     "uncompiled model and compile=True (or a backend's name, e.g. compile='aot_eager') instead of torch.compile(model)"
 )
 
+# torch.compile(prepared) traces the whole model too: it fails the same way where FSDP shards tensor-parallel weights.
+COMPILED_AFTER_REFUSAL = (
+    "HybridStrategy cannot run torch.compile(model) over tensor-parallel weights that FSDP shards (torch's tracer "
+    "fails on them): call the prepared model uncompiled, and pass HybridStrategy(compile=True) (or a backend's name, "
+    "e.g. compile='aot_eager'), which compiles each block"
+)
+
 
 class HybridStrategy(MeshStrategy):
     """Several parallelisms on one mesh: ``mesh={"dp": 2, "pp": 2}``, ``{"dp_shard": 2, "tp": 2}``, ``{"dp": 2, "dp_shard": 2}``.
@@ -133,6 +140,8 @@ class HybridStrategy(MeshStrategy):
             raise ValueError(COMPILED_REFUSAL)
         broadcast_states(module, self.device)
         self._parallelize(module, [module])
+        if self.mesh.size("tp") > 1 and self.mesh.size("dp") * self.mesh.size("dp_shard") > 1:
+            module.register_forward_pre_hook(_refuse_compiled_call, prepend=True)  # before FSDP's hooks are traced
         return module
 
     def _parallelize(self, model: nn.Module, units: list[nn.Module]) -> None:
@@ -146,7 +155,9 @@ class HybridStrategy(MeshStrategy):
             if mine:
                 tensor_parallelize(model, self.device_mesh, mine)
         data = tuple(axis for axis in ("dp", "dp_shard") if axis in self.mesh.degrees)
-        options = {"backend": self.compile} if isinstance(self.compile, str) else {}
+        options: dict[str, Any] = {"backend": self.compile} if isinstance(self.compile, str) else {}
+        if self.mesh.size("tp") > 1:  # torch's tracer fails on a split layer whose input has a symbolic length
+            options["dynamic"] = False  # so a new sequence length compiles again, as TensorParallelStrategy's docs ask
         for unit in units:
             for block in _blocks(unit):
                 if self.activation_checkpointing:
@@ -201,3 +212,15 @@ def _blocks(unit: nn.Module) -> list[nn.Module]:
     if isinstance(own, nn.ModuleList) and len(own):
         return list(own)
     return blocks(unit) or [unit]
+
+
+def _refuse_compiled_call(module: nn.Module, args: Any) -> None:
+    """Refuse ``torch.compile(model)``'s trace of the whole model, at its first call (eager calls pass)."""
+    if torch.compiler.is_compiling():
+        _refuse_compiled()
+
+
+@torch.compiler.disable
+def _refuse_compiled() -> None:
+    """Raised where it runs, eagerly: an exception in traced code would only make torch fall back to eager."""
+    raise ValueError(COMPILED_AFTER_REFUSAL)

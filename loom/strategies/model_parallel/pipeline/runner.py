@@ -6,12 +6,14 @@ the pp axis's process group, and knows nothing about data parallelism.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from loom.comm import collective_log
 from loom.compat import compile_like
 from loom.strategies.outputs import map_outputs, model_loss
 from loom.strategies.model_parallel.pipeline.split import Layers, LastStage, build_stage, tensors_in, to_meta
@@ -27,6 +29,28 @@ SCHEDULES: dict[str, tuple[str, int | None]] = {
     "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", None),
     "zbv_zero_bubble": ("ScheduleZBVZeroBubble", 2),
 }
+
+
+EVERY_STAGE = (
+    "under a pipeline every stage must run each forward and training step, evaluation included: call it on every "
+    "rank, with no `if strategy.is_chief:` around it (print or save on the chief only, after it)"
+)
+
+
+def _exchange(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Record the method's sends and receives between stages as one call that every stage makes,
+    so that a hang names the stage that ran another one (torch does not record gloo's sends)."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def run(self: PipelineRunner, *args: Any, **kwargs: Any) -> Any:
+            group = "pp" if self.group is None else f"pp {self.group.group_name}"
+            with collective_log.exchange(op, group, EVERY_STAGE):
+                return method(self, *args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 def stage_owners(schedule: str, processes: int, virtual_stages: int) -> list[int]:
@@ -110,6 +134,7 @@ class PipelineRunner:
                 "pad sequences to one length)"
             )
 
+    @_exchange("pipeline step")
     def step(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None, scale: float) -> tuple[torch.Tensor, Any]:
         """Forward and backward of one batch: every process gets the batch's mean loss and its outputs.
 
@@ -144,6 +169,7 @@ class PipelineRunner:
         """The batch size the schedule was built for at the first step (None before it)."""
         return None if self._shapes is None else self._micro * self.microbatches
 
+    @_exchange("pipeline step")
     def step_whole(self, inputs: Any, targets: Any, loss_fn: Callable[[Any, Any], torch.Tensor] | None, scale: float) -> tuple[torch.Tensor, Any]:
         """Forward and backward of a batch smaller than the schedule's (an epoch's short last one), unpipelined.
 
@@ -184,6 +210,7 @@ class PipelineRunner:
         return (targets,) if own_loss and targets is not None and stage in (0, self.num_stages - 1) else ()
 
     @torch.no_grad()
+    @_exchange("pipeline forward")
     def forward(self, inputs: Any, *targets: Any) -> Any:
         """The whole model on ``inputs`` (and ``targets``, for a model computing its own loss), stage after
         stage (no schedule, any batch size); every process gets the outputs."""
