@@ -1,4 +1,4 @@
-"""Every private name of PyTorch (and CPython) that loom relies on, in one place.
+"""Every private name of PyTorch, torchft (and CPython) that loom relies on, in one place.
 
 Each stands in for something the public API lacks. ``tests/test_compat.py`` checks every one
 against the installed versions, so an upgrade that renames or reshapes one fails there, by
@@ -331,3 +331,22 @@ def leave_step_unwrapped(step: Callable[..., Any]) -> Callable[..., Any]:
     through ``Optimizer.profile_hook_step``, only when it updates."""
     step.hooked = True  # type: ignore[attr-defined]
     return step
+
+
+# torchft's Manager keeps these in private attributes (checked against torchft 0.2.0): it has no
+# public getter for whether this replica heals in the current quorum, the quorum's id, or which
+# replica groups the quorum holds.
+def ft_healing(manager: Any) -> bool:
+    """Whether this replica group heals in the current quorum (torchft 0.2.0's ``Manager._healing``)."""
+    return manager._healing
+
+
+def ft_quorum_id(manager: Any) -> int:
+    """The id of the current quorum, which changes with its membership (torchft 0.2.0's ``Manager._quorum_id``)."""
+    return manager._quorum_id
+
+
+def ft_quorum_ranks(manager: Any) -> list[int] | None:
+    """Global ranks of this process's peers across the quorum's groups, ``group * N + rank`` (torchft 0.2.0
+    hands them to its process group's ``configure``, which keeps them as ``ProcessGroupGloo._global_ranks``)."""
+    return manager._pg._global_ranks

@@ -250,3 +250,32 @@ def test_compiled_original_and_child_names_read_the_modules_loom_expects():
     net.add_module("gone", None)
     assert compat.compiled_original(torch.compile(net, backend="eager")) is net
     assert compat.child_names(net) == ["0", "a", "b", "gone"]  # named_children gives ["0", "a"]
+
+
+def test_torchft_manager_says_healing_quorum_id_and_members_where_loom_reads_them():
+    """A real quorum of one group, ``group_3`` of 1 process: the private attributes hold what loom expects."""
+    pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, quorum_tick_ms=20)
+    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    timeout = timedelta(seconds=30)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout), load_state_dict=lambda _: None, state_dict=dict, min_replica_size=1,
+        use_async_quorum=True, timeout=timeout, rank=0, world_size=1, replica_id="group_3",
+        lighthouse_addr=lighthouse.address(), store_addr="localhost", store_port=store.port,
+    )  # fmt: skip
+    try:
+        assert compat.ft_quorum_ranks(manager) is None, "torchft's ProcessGroupGloo._global_ranks is not None before a quorum"
+        manager.start_quorum()
+        manager.wait_quorum()
+        assert compat.ft_healing(manager) is False, "torchft's Manager._healing is not False in a quorum without a heal"
+        quorum_id = compat.ft_quorum_id(manager)
+        assert isinstance(quorum_id, int) and quorum_id > 0, f"torchft's Manager._quorum_id is {quorum_id!r}, not the quorum's id"
+        assert compat.ft_quorum_ranks(manager) == [3], "torchft's ProcessGroupGloo._global_ranks is not [group * N + rank]"
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()

@@ -38,7 +38,7 @@ def _say(message: str) -> None:
 
 def start_lighthouse() -> Any:
     """A lighthouse in this process, on a free port, that forms a quorum of any one group or more."""
-    from torchft._torchft import LighthouseServer
+    from torchft.coordination import LighthouseServer
 
     return LighthouseServer(
         bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS

@@ -208,6 +208,10 @@ class Strategy(TFNames, ABC):
         if self._accumulation_steps > 1:  # DDP decides in the forward pass whether its backward syncs
             self._set_gradient_sync((self._micro_steps + 1) % self._accumulation_steps == 0)
 
+    def _update_applied(self) -> bool:
+        """Whether the last ``optimizer.step()`` updated the parameters; ``train_step`` steps its scheduler only then."""
+        return True
+
     def _may_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a prepared optimizer's step/zero_grad acts now; one optimizer per accumulate() cycle."""
         if self._accumulation_steps > 1:

@@ -16,7 +16,8 @@ its signature and meaning:
 - with a ``loss_fn``, ``targets`` may be None for a loss that needs none (``loss_fn(outputs, None)``);
 - fp16 losses are scaled, and the gradients unscaled once, before clipping;
 - ``max_grad_norm`` clips the norm of the gradients after they are synchronised;
-- the scheduler steps once per update, never per micro-batch;
+- the scheduler steps once per update, never per micro-batch, and not after a step the strategy
+  did not apply (a fault-tolerant step refused because a replica group died in it);
 - the loss comes back detached and on the device: reading it is the caller's device sync.
 """
 
@@ -116,7 +117,7 @@ class TrainStep:
             self.optimizer.step()  # through the precision's scaler
         else:  # one the user built: the scaler must still unscale it (fp16 losses were scaled)
             self.strategy.precision.step(self.optimizer)
-        if self.scheduler is not None:
+        if self.scheduler is not None and self.strategy._update_applied():
             self.scheduler.step()
         inner_optimizer(self.optimizer).zero_grad(set_to_none=True)
 

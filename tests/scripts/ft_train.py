@@ -1,11 +1,12 @@
-"""A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches.
+"""A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches,
+through ``train_step`` with a StepLR schedule (chainable: each learning rate is computed from the last).
 
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
 
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
-its pid); ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
+its pid); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
 join, so that it rejoins while there is training left.
 """
 
@@ -48,6 +49,14 @@ def optimizer(params):
     return torch.optim.Adam(params, lr=0.01)
 
 
+def scheduler(opt):
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+
+
+def schedule_state(opt, sched) -> dict:
+    return {"lr": [group["lr"] for group in opt.param_groups], "last_epoch": sched.last_epoch}
+
+
 def _rejoining(group: int) -> bool:
     folder = Path(os.environ["LOOM_FT_EVENTS"])
     path = folder / f"group-{group}.jsonl"
@@ -76,6 +85,8 @@ def main(out: Path) -> None:
         refusals += [_refusal(lambda: strategy.prepare(make_model(0), optimizer)), _refusal(opt.step)]
         refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
         (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
+    sched = scheduler(opt)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):
@@ -85,9 +96,7 @@ def main(out: Path) -> None:
                     (out / "dying").write_text(str(os.getpid()))
                     while True:  # killed here, mid-step: after its forward pass would run, before the sync
                         time.sleep(0.05)
-                strategy.backward(F.cross_entropy(model(x), y))
-                opt.step()
-                opt.zero_grad()
+                step(x, y)
                 if strategy.committed:
                     log.write(json.dumps({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
                                           "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync}) + "\n")
@@ -96,6 +105,7 @@ def main(out: Path) -> None:
                     while not _rejoining(die_group):
                         time.sleep(0.05)
     torch.save(loom.unwrap(model).state_dict(), out / f"final-{group}-{rank}.pt")
+    (out / f"lr-{group}-{rank}.json").write_text(json.dumps(schedule_state(opt, sched)))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ Two launched jobs, each shared by several assertions. Without failure, 2 groups 
 end where OneDeviceStrategy on the global batch ends. With group 1 killed in the middle of a
 step: the step is not applied and is trained again by group 0 alone, group 0 is never
 restarted, group 1 comes back, heals from group 0 (no checkpoint exists) and ends bit-identical
-to it; every sample of every epoch is trained exactly once, and the weights still equal OneDevice's.
+to it, its StepLR schedule included; every sample of every epoch is trained exactly once, and the
+weights and learning rate still equal OneDevice's (the schedule steps only on applied steps).
 """
 
 import importlib.util
@@ -27,17 +28,18 @@ ft_train = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ft_train)
 
 
-def _one_device() -> dict[str, torch.Tensor]:
-    """The reference: one process trains group 0's start-up weights on every global batch."""
+def _one_device() -> tuple[dict[str, torch.Tensor], dict]:
+    """The reference: one process trains group 0's start-up weights on every global batch, with the same
+    schedule; its final weights and learning rate."""
     strategy = loom.OneDeviceStrategy("cpu")
     model, opt = strategy.prepare(ft_train.make_model(1), ft_train.optimizer)
+    sched = ft_train.scheduler(opt)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
     loader = strategy.distribute(ft_train.Numbered(), batch_size=ft_train.BATCH, shuffle=True)
     for _ in range(ft_train.EPOCHS):
         for x, y, _ids in loader:
-            strategy.backward(F.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
-    return loom.unwrap(model).state_dict()
+            step(x, y)
+    return loom.unwrap(model).state_dict(), ft_train.schedule_state(opt, sched)
 
 
 def _start(out, *flags, env=None):
@@ -83,8 +85,10 @@ def test_groups_without_failure_equal_one_device(tmp_path):
     assert {s["replicas"] for s in steps} == {4}  # 2 groups x 2 processes
     assert all(c == Counter(range(96)) for c in _samples_per_epoch(steps).values())
     final = {(g, r): torch.load(tmp_path / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
-    for weights in final.values():
-        _assert_close(weights, _one_device())
+    weights, schedule = _one_device()
+    for g, r in final:
+        _assert_close(final[g, r], weights)
+        assert json.loads((tmp_path / f"lr-{g}-{r}.json").read_text()) == schedule
     refusals = json.loads((tmp_path / "refusals-1-1.json").read_text())
     assert refusals[0].startswith("under --groups a restarted group heals with the optimizer's state too: pass the optimizer")
     assert refusals[1] == "FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once"
@@ -121,7 +125,10 @@ def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_o
         assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
     final0, final1 = (torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1))
     assert all(torch.equal(final0[k], final1[k]) for k in final0)  # bit-identical after healing
-    _assert_close(final0, _one_device())  # and still the one-device run: no batch lost or applied twice
+    weights, schedule = _one_device()
+    _assert_close(final0, weights)  # and still the one-device run: no batch lost or applied twice
+    lr0, lr1 = (json.loads((tmp_path / f"lr-{g}-0.json").read_text()) for g in (0, 1))
+    assert lr0 == lr1 == schedule  # the schedule healed too, and stepped only on applied steps
     assert f"batch {die_at} not applied" in err
     assert "group 1 left at batch" in err and "group 1 rejoined at batch" in err and "group 1 healed at batch" in err
     assert not list(tmp_path.glob("**/*checkpoint*"))

@@ -7,17 +7,18 @@ and each group's gradient is summed across them by torchft's Manager, whose all-
 group cannot corrupt, only make fail. One step, the whole contract:
 
 1. quorum: the groups alive now. A group behind the others (restarted) heals in it: torchft's
-   transport hands it a live group's weights, optimizer state and step count, and it takes
-   part in this step without data (it adds zeros and applies the same update). No checkpoint
-   is read.
+   transport hands it a live group's weights, optimizer state, ``train_step``'s LR scheduler
+   state and step count, and it takes part in this step without data (it adds zeros and
+   applies the same update). No checkpoint is read.
 2. data: global batch ``d`` (``d`` = steps the job has committed) is split among the groups
    that are not healing, then among each group's N processes (``fault_tolerant_data``).
 3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
    the batch, is summed across groups: the mean gradient of the whole global batch. Process r
    of a group sums only the r-th of N parts with the other groups, then the group gathers them.
 4. commit: the optimizer steps only if every group's all-reduce completed (torchft's
-   ``should_commit``); if a group died mid-step, nobody applies the step and batch ``d`` is
-   trained again in the next step by the groups alive then. A batch is applied once, whole.
+   ``should_commit``), and ``train_step``'s scheduler with it; if a group died mid-step, nobody
+   applies the step (nor steps the scheduler) and batch ``d`` is trained again in the next step
+   by the groups alive then. A batch is applied once, whole.
 
 ``num_replicas_in_sync`` follows the membership. ``reduce``, ``gather`` and ``barrier`` combine
 the processes of this group only (they run outside the step, where a group may be missing).
@@ -41,11 +42,13 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from loom.comm.groups import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks
 from loom.errors import LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
 from loom.strategies.data_parallel.mirrored import MirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.step import LossFn, TrainStep
 
 BUCKET_BYTES = 25 * 2**20  # gradients cross groups in all-reduces of at most this size
 
@@ -94,6 +97,9 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._manager = self._join_groups()
         self._buckets: list[list[nn.Parameter]] = []
         self._optimizer: torch.optim.Optimizer | None = None
+        self._schedulers: list[Any] = []  # train_step's: a heal hands them over with the weights
+        self._healed_schedulers: list[dict[str, Any]] | None = None  # a live group's, to take after the heal's step
+        self._heal_applied = False  # whether the heal's step applied
         atexit.register(self._manager.shutdown, wait=False)
 
     def _join_groups(self) -> Any:
@@ -162,11 +168,13 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._buckets = _buckets([p for p in module.parameters() if p.requires_grad])
 
         def state() -> dict[str, Any]:
-            return {"model": module.state_dict(), "optimizer": inner.state_dict()}
+            schedulers = [s.state_dict() for s in self._schedulers]
+            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers}
 
         def load(saved: dict[str, Any]) -> None:
             module.load_state_dict(saved["model"])
             inner.load_state_dict(saved["optimizer"])
+            self._healed_schedulers = saved["schedulers"]
 
         self._manager.register_state_dict_fn("loom", load, state)
         self._start(module)
@@ -206,15 +214,16 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 return None
             started = time.time()
             self._quorum()
-            if self._manager._healing:
+            if ft_healing(self._manager):
                 self._ghost_step(started)
                 continue
             rank, count = self._manager.participating_rank(), self._manager.num_participants()
-            members = tuple(sorted({r // self.group_size for r in self._manager._pg._global_ranks or [self.group]}))
+            members = tuple(sorted({r // self.group_size for r in ft_quorum_ranks(self._manager) or [self.group]}))
+            quorum_id = ft_quorum_id(self._manager)
             start, stop = group_slice(self._global_batch, self.group_size, rank, count)
-            if self.membership is None or self.membership.quorum_id != self._manager._quorum_id:
+            if self.membership is None or self.membership.quorum_id != quorum_id:
                 self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
-            self.membership = Membership(batch, members, count, rank, self._manager._quorum_id, start, stop)
+            self.membership = Membership(batch, members, count, rank, quorum_id, start, stop)
             self._in_step = True
             return batch
 
@@ -265,13 +274,53 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
         flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
         self._sum_across_groups(flats)
-        if not self._manager.should_commit():  # loads the live group's state before deciding
-            return
-        for bucket, flat in zip(self._buckets, flats):
-            _unflatten(flat, bucket)
-        self._optimizer.step()
-        self._optimizer.zero_grad(set_to_none=True)
-        self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started)
+        self._heal_applied = self._manager.should_commit()  # loads the live group's state before deciding
+        if self._heal_applied:
+            for bucket, flat in zip(self._buckets, flats):
+                _unflatten(flat, bucket)
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=True)
+        self._take_schedulers()
+        if self._heal_applied:
+            self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started)
+
+    # ---- LR schedulers -------------------------------------------------------------------------
+    def train_step(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+    ) -> TrainStep:
+        """Mirrored's step; its scheduler steps only on applied steps and heals with the weights."""
+        step = super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+        if scheduler is not None:
+            self._schedulers.append(scheduler)
+            self._take_schedulers()  # a group that healed in prepare() takes the live schedulers now
+        return step
+
+    def _update_applied(self) -> bool:
+        return self.committed is not False
+
+    def _take_schedulers(self) -> None:
+        """After a heal's step: take the live group's schedulers (as of before that step) and, if the step
+        applied, step them once, as the live group does.
+
+        Their learning rates are set back to the live ones first: a scheduler built after the heal
+        reset them, and a chainable one (StepLR) computes the next from them.
+        """
+        healed = self._healed_schedulers
+        if healed is None or len(self._schedulers) < len(healed):
+            return  # not healed, or the script has not built them yet
+        self._healed_schedulers = None
+        for scheduler, saved in zip(self._schedulers, healed):
+            scheduler.load_state_dict(saved)
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+            if self._heal_applied:
+                scheduler.step()
 
     # ---- data ---------------------------------------------------------------------------------
     def distribute(  # type: ignore[override]
