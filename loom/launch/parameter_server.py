@@ -145,7 +145,7 @@ class _Job:
 
     def _lost_updates(self, serving: dict[int, subprocess.Popen]) -> str | None:
         """Why the job fails, if a server here came back without updates a worker saw."""
-        from loom.strategies.parameter_server.server import lost_message
+        from loom.strategies.parameter_server.state_file import lost_message
 
         for index, proc in serving.items():
             if self._lost(index).exists():

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import METHOD, SERVICE, STREAM, TOKEN_KEY
+from loom.strategies.parameter_server.service import METHOD, SERVICE, STREAM, TOKEN_KEY
 from loom.strategies.parameter_server.transport import TLS, client_channel
 from loom.strategies.parameter_server.wire import decode, encode
 

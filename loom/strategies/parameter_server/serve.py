@@ -25,7 +25,8 @@ import threading
 import time
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import ParameterServer, lost_message
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.state_file import lost_message
 from loom.strategies.parameter_server.transport import TLS
 
 SAVE_SHARE = 20  # a save waits at least this many times as long as the last one took

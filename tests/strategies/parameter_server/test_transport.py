@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from loom.errors import LaunchError, LoomError
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.service import Service
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from loom.strategies.parameter_server.transport import CERT_ENV, KEY_ENV, TLS
 from tests.helpers import free_port
@@ -96,15 +97,16 @@ def test_workers_waiting_for_a_round_do_not_queue_the_others_calls():
     assert took < 0.3, f"the pull waited {took:.2f}s for a free thread"
 
 
-def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is_renewed():
+def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is_renewed(monkeypatch):
     """Pushes, commits and reads ride one stream per server (not a call each); a stream broken by
     a server restart is reopened (its request sent again), and one half its deadline old is renewed."""
-    port, opened = free_port(), []
+    port, opened, serving_now = free_port(), [], []
+    answer = Service._stream
+    monkeypatch.setattr(Service, "_stream", lambda self, requests, context: (opened.append(serving_now[-1]), (yield from answer(self, requests, context)))[1])
 
     def serving(value):
         server = ParameterServer("job-token", {"w": torch.full((2,), value)})
-        answer = server._stream
-        server._stream = lambda requests, context: (opened.append(value), (yield from answer(requests, context)))[1]
+        serving_now.append(value)
         server.serve(port)
         return server
 
