@@ -1,12 +1,14 @@
 """The gRPC face of a parameter server: who may call, and how a request becomes a reply.
 
 One generic method carries ``wire`` messages, as a call per request or a stream of them
-(``client.py``). Every call must carry the job's token in its metadata; anything else is
-refused before it is read.
+(``client.py``). Every call must carry the job's token in its metadata: ``TokenCheck`` reads it
+from the call's metadata, before any of the call's body, and refuses a call without it; the
+body of a refused call is never received, so traffic from outside the job costs no memory.
 """
 
 from __future__ import annotations
 
+import hmac
 from concurrent import futures
 from typing import Any, Callable, Iterator
 
@@ -24,6 +26,25 @@ CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.
 Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
 
+class TokenCheck(grpc.ServerInterceptor):
+    """Admits a call only with the job's token in its metadata, checked before its body is read."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token.encode()
+        self.refuse = grpc.stream_stream_rpc_method_handler(_refuse)  # takes the requests as a stream: reads none of them
+
+    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        offered = dict(details.invocation_metadata or ()).get(TOKEN_KEY, "")
+        if isinstance(offered, str) and hmac.compare_digest(offered.encode(), self.token):
+            return continuation(details)
+        return self.refuse
+
+
+def _refuse(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")
+    yield b""  # never reached: a generator, as a stream's handler is
+
+
 class Service:
     """Serves ``handle`` to the callers that hold ``token``."""
 
@@ -33,18 +54,12 @@ class Service:
         self._server: grpc.Server | None = None
 
     def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        self._admit(context)
         return self._answer(request, context)
 
     def _stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """A worker's stream of requests, answered in order; a bad one ends the stream with its error."""
-        self._admit(context)
         for request in requests:
             yield self._answer(request, context)
-
-    def _admit(self, context: grpc.ServicerContext) -> None:
-        if dict(context.invocation_metadata()).get(TOKEN_KEY) != self.token:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")
 
     def _answer(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
@@ -63,7 +78,8 @@ class Service:
         or a collective, so the pool has two per worker (``workers``) and some to spare.
         ``tls``: accept TLS only.
         """
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool_size(workers)), options=channel_options())
+        pool = futures.ThreadPoolExecutor(max_workers=pool_size(workers))
+        self._server = grpc.server(pool, interceptors=[TokenCheck(self.token)], options=channel_options())
         methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._call), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
         handler = grpc.method_handlers_generic_handler(SERVICE, methods)
         self._server.add_generic_rpc_handlers((handler,))
