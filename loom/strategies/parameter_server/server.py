@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from loom.strategies.parameter_server import state_file, wal
+from loom.strategies.parameter_server import schema, state_file, wal
 from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.rounds import Round
@@ -86,10 +86,11 @@ class ParameterServer:
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Answer one request; one that changed the state only once the change is in the log."""
+        """Answer one request, checked first (``schema.py``); one that changed the state only once the change is in the log."""
+        op = schema.check(fields, tensors)
         self._check_seen(fields.get("seen", -1))
         reply = self._handle(fields, tensors)
-        if self.log is not None and fields.get("op") in CHANGES:
+        if self.log is not None and op in CHANGES:
             self.log.sync()
         return reply
 
@@ -170,17 +171,18 @@ class ParameterServer:
         with self._seq_lock:
             if self.created:
                 return False
-            for key, value in tensors.items():
-                kind, name = key.split("/", 1)
-                (self.dense if kind == "dense" else self.tables)[name] = value.clone()
-                self._locks[name] = threading.Lock()
+            rule = ServerOptimizer(**optimizer)  # all made before any is kept: a bad request changes nothing
+            dense = {key.split("/", 1)[1]: value.clone() for key, value in tensors.items() if key.startswith("dense/")}
+            tables = {key.split("/", 1)[1]: value.clone() for key, value in tensors.items() if key.startswith("table/")}
             for name, spec in generate.items():
                 generator = torch.Generator().manual_seed(spec["seed"])
-                self.tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
+                tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
                 if spec.get("padding_row") is not None:  # nn.Embedding(padding_idx=...) starts that row at zero
-                    self.tables[name][spec["padding_row"]] = 0.0
-                self._locks[name] = threading.Lock()
-            self.optimizer = ServerOptimizer(**optimizer)
+                    tables[name][spec["padding_row"]] = 0.0
+            self.dense.update(dense)
+            self.tables.update(tables)
+            self._locks.update({name: threading.Lock() for name in [*dense, *tables]})
+            self.optimizer = rule
             self.created = True
             self._record({"op": "create", "optimizer": optimizer, "generate": generate}, tensors)
             return True

@@ -68,7 +68,9 @@ class Service:
         except LostUpdatesError as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except (WireError, KeyError, IndexError) as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {_line(error)}")
+        except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # what checking the request could not foresee (torch's own checks)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {type(error).__name__}: {_line(error)}")
         return encode(reply_fields, reply_tensors)
 
     def start(self, port: int, host: str = "127.0.0.1", workers: int | None = None, tls: TLS | None = None) -> int:
@@ -92,3 +94,9 @@ class Service:
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=1).wait()
+
+
+def _line(error: Exception) -> str:
+    """An error's first line, for a status that is one line."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else type(error).__name__
