@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
+    try:
+        port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
+    except LoomError as error:
+        print(f"loom: error: parameter server {args.index}: {error}", file=sys.stderr)
+        return 2
     state = f" (resumed from {args.checkpoint}: {resumed})" if resumed else ""
     print(f"loom: parameter server {args.index} listening on {args.host}:{port}{' with TLS' if tls else ''}{state}", flush=True)
     next_save = time.monotonic() + args.checkpoint_every

@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from loom.strategies.parameter_server.state_file import LostUpdatesError
-from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
+from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size, server_options
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
 SERVICE, METHOD, STREAM = "loom.ParameterServer", "Call", "Stream"  # a call per request, or a stream of them (client.py)
@@ -81,13 +81,11 @@ class Service:
         ``tls``: accept TLS only.
         """
         pool = futures.ThreadPoolExecutor(max_workers=pool_size(workers))
-        self._server = grpc.server(pool, interceptors=[TokenCheck(self.token)], options=channel_options())
+        self._server = grpc.server(pool, interceptors=[TokenCheck(self.token)], options=server_options())
         methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._call), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
         handler = grpc.method_handlers_generic_handler(SERVICE, methods)
         self._server.add_generic_rpc_handlers((handler,))
-        bound = listen(self._server, f"{host}:{port}", tls)
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port} (in use?)")
+        bound = listen(self._server, host, port, tls)
         self._server.start()
         return bound
 

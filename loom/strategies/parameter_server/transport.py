@@ -10,7 +10,9 @@ process without it cannot talk to them. The certificate must name every server's
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -74,8 +76,41 @@ def client_channel(address: str, tls: TLS | None) -> grpc.Channel:
     return tls.channel(address) if tls else grpc.insecure_channel(address, options=channel_options())
 
 
-def listen(server: grpc.Server, address: str, tls: TLS | None) -> int:
-    return tls.listen(server, address) if tls else server.add_insecure_port(address)
+def server_options() -> list[tuple[str, int]]:
+    """A server's options: the message limit, and a port of its own (gRPC would otherwise share
+    it, with SO_REUSEPORT, with another server already on it: two servers answering by turns)."""
+    return [*channel_options(), ("grpc.so_reuseport", 0)]
+
+
+def listen(server: grpc.Server, host: str, port: int, tls: TLS | None) -> int:
+    """Bind ``host:port``; a port in use, or an address not on this machine, is one line."""
+    if port:
+        check_free(host, port)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        return tls.listen(server, address) if tls else server.add_insecure_port(address)
+    except RuntimeError:  # taken since the check
+        raise LaunchError(f"cannot listen on {address}: the port is in use; {PORT_FIX}") from None
+
+
+PORT_FIX = "stop what holds it (another parameter server?) or give this server another port"
+
+
+def check_free(host: str, port: int) -> None:
+    """Bind ``host:port`` as gRPC would, and let go: a clear line now instead of gRPC's traceback."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise LaunchError(f"cannot listen on {host}:{port}: {error.strerror}; give a host name or address of this machine") from None
+    for family, kind, proto, _, where in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise LaunchError(f"cannot listen on {host}:{port}: the port is in use; {PORT_FIX}") from None
+                raise LaunchError(f"cannot listen on {host}:{port}: {error.strerror}; give an address of this machine") from None
 
 
 def _read(path: str, variable: str) -> bytes:

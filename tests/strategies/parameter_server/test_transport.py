@@ -1,6 +1,7 @@
 """TLS between workers and servers, a worker's stream of requests, and a server's thread pool sized by its workers."""
 
 import subprocess
+import sys
 import threading
 import time
 
@@ -14,7 +15,7 @@ from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.service import Service
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from loom.strategies.parameter_server.transport import CERT_ENV, KEY_ENV, TLS
-from tests.helpers import free_port
+from tests.helpers import ROOT, free_port, job_env
 from tests.scripts.clicks import Clicks
 
 
@@ -126,3 +127,22 @@ def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is
     assert opened == [1.0, 2.0, 2.0]
     client.close()
     second.stop()
+
+
+def test_a_port_in_use_by_a_parameter_server_is_one_line(tmp_path):
+    """A second server on a first one's port is refused (gRPC alone would share the port between
+    them), in one line: in-process as an error, and as a process its only output."""
+    first = ParameterServer("job-token")
+    port = first.serve(free_port())
+    try:
+        with pytest.raises(LaunchError, match=rf"^cannot listen on 127.0.0.1:{port}: the port is in use; stop what holds it"):
+            ParameterServer("job-token").serve(port)
+        command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(port), "--index", "1"]
+        done = subprocess.run(command, env=job_env({"LOOM_PS_TOKEN": "job-token"}), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        first.stop()
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"loom: error: parameter server 1: cannot listen on 127.0.0.1:{port}: the port is in use; "
+        "stop what holds it (another parameter server?) or give this server another port\n"
+    )
