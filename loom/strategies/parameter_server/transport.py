@@ -1,11 +1,16 @@
 """How workers and servers reach each other: message limit, TLS, and the threads a server serves with.
 
 Without TLS every message, the job's token and each gradient included, crosses the network
-in clear text; that is fine on loopback (a one-machine job) and on a network only the job
-uses. With ``LOOM_PS_TLS_CERT`` (a PEM certificate; on a server also ``LOOM_PS_TLS_KEY``, its
-private key) the servers accept only TLS, and workers trust that certificate alone: a
-process without it cannot talk to them. The certificate must name every server's host
-(subjectAltName), as gRPC checks it like a browser does.
+in clear text; loom runs that way only where every server is on loopback. Two set-ups:
+
+- mutual TLS (``LOOM_PS_TLS_CA``, ``LOOM_PS_TLS_CERT``, ``LOOM_PS_TLS_KEY`` on every process):
+  each side presents its own certificate and key, and accepts only a peer whose certificate
+  the CA signed. ``loom run`` makes these for a job across machines (``launch/certificates.py``);
+  a cluster with its own certificates sets them.
+- one shared certificate (``LOOM_PS_TLS_CERT``; on a server also ``LOOM_PS_TLS_KEY``): the
+  servers present it and workers trust it alone.
+
+A server's certificate must name its host (subjectAltName), as gRPC checks it like a browser does.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import grpc
 from loom.errors import LaunchError
 
 MESSAGE_LIMIT = 256 << 20  # bytes in one gRPC message, each way
-CERT_ENV, KEY_ENV = "LOOM_PS_TLS_CERT", "LOOM_PS_TLS_KEY"
+CA_ENV, CERT_ENV, KEY_ENV = "LOOM_PS_TLS_CA", "LOOM_PS_TLS_CERT", "LOOM_PS_TLS_KEY"
 MIN_THREADS = 32
 SPARE_THREADS = 16  # beyond one per worker: launchers settling pushes, the chief's job report
 
@@ -45,16 +50,22 @@ def pool_size(workers: int | None) -> int:
 
 @dataclass(frozen=True)
 class TLS:
-    """A certificate the workers trust and the servers present, with its key on the servers."""
+    """A certificate the workers trust and the servers present, with its key on the servers; or,
+    with ``authority``, this process's own certificate and key, and the CA its peers' must come from."""
 
     certificate: bytes
     key: bytes | None = None
+    authority: bytes | None = None
 
     @classmethod
     def from_env(cls, server: bool = False, env: Mapping[str, str] | None = None) -> TLS | None:
-        """TLS from ``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY`` (file paths), or None when unset."""
+        """TLS from ``LOOM_PS_TLS_CA``/``LOOM_PS_TLS_CERT``/``LOOM_PS_TLS_KEY`` (file paths), or None when unset."""
         env = os.environ if env is None else env
-        cert, key = env.get(CERT_ENV), env.get(KEY_ENV)
+        ca, cert, key = env.get(CA_ENV), env.get(CERT_ENV), env.get(KEY_ENV)
+        if ca:
+            if not (cert and key):
+                raise LaunchError(f"{CA_ENV} is set but {CERT_ENV} or {KEY_ENV} is not: with a CA, every process needs its own certificate and key")
+            return cls(_read(cert, CERT_ENV), _read(key, KEY_ENV), _read(ca, CA_ENV))
         if not cert:
             if key:
                 raise LaunchError(f"{KEY_ENV} is set but {CERT_ENV} is not: set both, to the certificate and its key")
@@ -64,12 +75,18 @@ class TLS:
         return cls(_read(cert, CERT_ENV), _read(key, KEY_ENV) if server and key else None)
 
     def channel(self, address: str) -> grpc.Channel:
-        return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=self.certificate), options=channel_options())
+        if self.authority is None:
+            credentials = grpc.ssl_channel_credentials(root_certificates=self.certificate)
+        else:
+            credentials = grpc.ssl_channel_credentials(self.authority, private_key=self.key, certificate_chain=self.certificate)
+        return grpc.secure_channel(address, credentials, options=channel_options())
 
     def listen(self, server: grpc.Server, address: str) -> int:
         if self.key is None:
             raise LaunchError(f"a parameter server with TLS needs the certificate's private key ({KEY_ENV})")
-        return server.add_secure_port(address, grpc.ssl_server_credentials([(self.key, self.certificate)]))
+        mutual = self.authority is not None
+        credentials = grpc.ssl_server_credentials([(self.key, self.certificate)], root_certificates=self.authority, require_client_auth=mutual)
+        return server.add_secure_port(address, credentials)
 
 
 def client_channel(address: str, tls: TLS | None) -> grpc.Channel:

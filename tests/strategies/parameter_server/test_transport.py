@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LaunchError, LoomError
+from loom.launch.certificates import task_certificate
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.service import Service
@@ -146,3 +147,26 @@ def test_a_port_in_use_by_a_parameter_server_is_one_line(tmp_path):
         f"loom: error: parameter server 1: cannot listen on 127.0.0.1:{port}: the port is in use; "
         "stop what holds it (another parameter server?) or give this server another port\n"
     )
+
+
+def test_mutual_tls_from_the_job_authority_admits_the_jobs_tasks_only(tmp_path):
+    """Certificates made by two launchers of one job (each from the token alone) meet; a client
+    with no certificate, or one from another job's authority, is refused at the handshake."""
+    server_tls, worker_tls, stranger_tls = (
+        TLS.from_env(env=task_certificate(token, "127.0.0.1", tmp_path / name))
+        for name, token in (("server", "job-token"), ("worker", "job-token"), ("stranger", "another-job"))
+    )
+    server = ParameterServer("job-token", {"w": torch.ones(2)})
+    address = f"127.0.0.1:{server.serve(free_port(), tls=server_tls)}"
+    try:
+        client = ServerClient(address, "job-token", patience=2, tls=worker_tls)
+        assert torch.equal(client.call({"op": "pull", "names": ["w"]})[1]["w"], torch.ones(2))
+        client.close()
+        for tls in (TLS(server_tls.authority), stranger_tls):  # trusts the server, but shows no certificate; another job's
+            client = ServerClient(address, "job-token", patience=1, tls=tls)
+            with pytest.raises(LoomError, match=f"parameter server {address}"):
+                client.call({"op": "ready"})
+            client.close()
+    finally:
+        server.stop()
+    assert (tmp_path / "server" / "task.key").stat().st_mode & 0o077 == 0
