@@ -53,9 +53,6 @@ class Service:
         self.handle = handle
         self._server: grpc.Server | None = None
 
-    def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        return self._answer(request, context)
-
     def _stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         """A worker's stream of requests, answered in order; a bad one ends the stream with its error."""
         for request in requests:
@@ -82,7 +79,7 @@ class Service:
         """
         pool = futures.ThreadPoolExecutor(max_workers=pool_size(workers))
         self._server = grpc.server(pool, interceptors=[TokenCheck(self.token)], options=server_options())
-        methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._call), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
+        methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._answer), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
         handler = grpc.method_handlers_generic_handler(SERVICE, methods)
         self._server.add_generic_rpc_handlers((handler,))
         bound = listen(self._server, host, port, tls)
