@@ -1,6 +1,7 @@
 """Sparse model W3: parameter servers against all-reduce, samples/s and bytes on the wire.
 
     python bench/parameter_server.py [--workers 2 4] [--steps 30] [--servers 2]
+    python bench/parameter_server.py --tls-ratio --methods parameter-server --workers 2 --repeats 3
 
 W3: EmbeddingBag(1,000,000 x 32, sum) over bags of 20 ids drawn from a Zipf distribution
 (exponent 1.1, as ids in click logs are), then an MLP 32-64-1; global batch 1024. Three ways
@@ -123,16 +124,22 @@ def _lo_bytes() -> int:
     return int(next(line for line in text.splitlines() if line.strip().startswith("lo:")).split(":")[1].split()[8])
 
 
-def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float = 0.0, servers: int = 2) -> dict[str, float]:
+def run(method: str, workers: int, steps: int, tmp: Path, straggler_sleep: float = 0.0, servers: int = 2, tls: bool = False) -> dict[str, float]:
+    """One job in a network namespace of its own; ``tls``: its servers and workers speak mutual TLS,
+    as a job across machines does (certificates for 127.0.0.1 from a job authority)."""
     namespace = f"loombench{os.getpid()}"
     subprocess.run(["ip", "netns", "add", namespace], check=True)
     try:
         subprocess.run(["ip", "netns", "exec", namespace, "ip", "link", "set", "lo", "up"], check=True)
-        out = tmp / f"{method}-{workers}-{straggler_sleep:g}"
+        out = tmp / f"{method}-{workers}-{straggler_sleep:g}{'-tls' if tls else ''}"
         launch = ["--ps", str(servers), "--workers", str(workers)] if method.startswith("parameter-server") else ["--nproc", str(workers)]
         launch += ["--sync"] if method.startswith("parameter-server-sync") else []
         command = [sys.executable, "-m", "loom.launch.cli", "run", *launch, __file__, "--worker", method, "--steps", str(steps), "--out", str(out)]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_BENCH_STRAGGLER_SLEEP": str(straggler_sleep)}
+        if tls:
+            from loom.launch.certificates import task_certificate
+
+            env.update(task_certificate("bench", "127.0.0.1", tmp / f"tls-{method}-{workers}"))
         done = subprocess.run(["ip", "netns", "exec", namespace, *command], capture_output=True, text=True, cwd=ROOT, env=env)
         if done.returncode:
             raise RuntimeError(f"{method} x{workers} failed: {done.stderr[-2000:]}")
@@ -162,6 +169,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--servers", type=int, default=2, help="parameter servers (the table is split among them)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each method, interleaved; the median is kept")
+    parser.add_argument("--tls-ratio", action="store_true", help="run only the parameter-server methods, with TLS and without: throughput ratio")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -172,6 +180,9 @@ def main() -> None:
         sys.exit("bench/parameter_server.py measures bytes in network namespaces; it needs root and iproute2")
     import tempfile
 
+    if args.tls_ratio:
+        tls_ratio(args)
+        return
     results: dict[str, dict[str, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for workers in args.workers:
@@ -200,6 +211,24 @@ def main() -> None:
     name = "parameter_server" if set(args.methods) == set(METHODS) else "parameter_server_some"  # a partial run keeps the full one
     print(f"saved {save(name, results)}")
     plot({k: v for k, v in results.items() if k not in ("straggler", "servers")}, RESULTS / f"{name}.png")
+
+
+def tls_ratio(args: argparse.Namespace) -> None:
+    """Throughput of each parameter-server method with mutual TLS over without, runs interleaved, medians kept."""
+    import tempfile
+
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for workers in args.workers:
+            for method in [m for m in args.methods if m.startswith("parameter-server")]:
+                rates: dict[bool, list[float]] = {False: [], True: []}
+                for _ in range(args.repeats):
+                    for tls in (False, True):
+                        rates[tls].append(run(method, workers, args.steps, Path(tmp), servers=args.servers, tls=tls)["samples_per_sec"])
+                clear, secure = (float(np.median(rates[tls])) for tls in (False, True))
+                results.setdefault(method, {})[str(workers)] = {"clear": clear, "tls": secure, "ratio": secure / clear, "repeats": {"clear": rates[False], "tls": rates[True]}}
+                print(f"{method:<21} {workers} workers: {clear:9,.0f} samples/s clear, {secure:9,.0f} with TLS: ratio {secure / clear:.3f}", flush=True)
+    print(f"saved {save('parameter_server_tls', results)}")
 
 
 def straggler(results: dict, steps: int, servers: int) -> dict[str, dict[str, float]]:

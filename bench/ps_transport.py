@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import save  # noqa: E402
-from loom.strategies.parameter_server.server import CHANNEL_OPTIONS  # noqa: E402
+from loom.strategies.parameter_server.service import CHANNEL_OPTIONS  # noqa: E402
 
 SIZES = [4 * 1024, 128 * 1024, 4 * 1024 * 1024]  # bytes: a few rows, a batch of rows, a dense layer
 ROUNDS = 200

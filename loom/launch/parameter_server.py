@@ -4,8 +4,10 @@ The workers are not one torchrun group: in asynchronous training a worker that d
 stop the others. Each is a process of its own, restarted on failure up to ``--max-restarts``
 times; a restarted worker pulls the current parameters and goes on. Worker 0 is the chief.
 Every request carries the job's token (made here for a one-machine job, ``LOOM_PS_TOKEN`` on
-every machine otherwise); across machines, TLS (``--ps-tls-cert``/``--ps-tls-key``) keeps it
-and the gradients from travelling in clear text. Each server logs every update before it
+every machine otherwise). Across machines (any server off loopback) servers and workers speak
+mutual TLS: each launcher makes its task's certificate, signed by a job authority derived from
+the token (``certificates.py``), unless the cluster gives its own (``LOOM_PS_TLS_*``,
+``--ps-tls-cert``/``--ps-tls-key``). Each server logs every update before it
 acknowledges it and snapshots its state every few seconds, so one that dies, even by
 ``kill -9``, is restarted with every update a worker saw acknowledged; one that comes back
 without some (its state files removed or damaged) fails the job, saying how many it lost.
@@ -110,10 +112,13 @@ def run_parameter_server_task(entry: list[str], cluster: ParameterServerCluster,
     token = os.environ.get("LOOM_PS_TOKEN")
     if not token:
         raise LaunchError(f"LOOM_PS_TOKEN is not set: a parameter-server job across machines admits only its own processes; {TOKEN_HELP}")
+    from loom.launch.certificates import is_loopback, task_certificate
+
     job = _Job(entry, list(cluster.servers), cluster.workers, token, options)
-    if "LOOM_PS_TLS_CERT" not in job.env:
-        _say("warning: no TLS: the job's token and every gradient cross the network in clear text; "
-             "give every machine --ps-tls-cert (and the servers --ps-tls-key)")  # fmt: skip
+    hosts = [parse_endpoint(address, what="parameter server address")[0] for address in cluster.servers]
+    if "LOOM_PS_TLS_CERT" not in job.env and not all(is_loopback(host) for host in hosts):
+        here = hosts[cluster.index] if cluster.role == "ps" else socket.gethostname()
+        job.env.update(task_certificate(token, here, Path(tempfile.mkdtemp(prefix="loom-ps-tls-"))))
     if cluster.role == "ps":
         return job.run(servers_here=[cluster.index], workers_here=[])
     return job.run(servers_here=[], workers_here=[cluster.index])
@@ -156,7 +161,7 @@ class _Job:
 
     def _lost_updates(self, serving: dict[int, subprocess.Popen]) -> str | None:
         """Why the job fails, if a server here came back without updates a worker saw."""
-        from loom.strategies.parameter_server.server import lost_message
+        from loom.strategies.parameter_server.state_file import lost_message
 
         for index, proc in serving.items():
             if self._lost(index).exists():

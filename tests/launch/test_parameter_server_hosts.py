@@ -2,12 +2,16 @@
 
 Host a runs server 0 and the chief, host b server 1 and worker 1, each task its own ``loom run``.
 Each server listens on its host's address only; the worker on host b joins late; when both
-workers are done the servers exit by themselves. Skipped, with the reason, where network
+workers are done the servers exit by themselves. The traffic between the hosts is TLS, made
+by the launchers from the job's token alone: a capture of host b's link holds neither the
+token nor any message of the wire format in clear. Skipped, with the reason, where network
 namespaces cannot be made.
 """
 
 import json
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -18,6 +22,33 @@ from tests.netns import network, on_host, why_no_namespaces
 HOSTS = {"a": "10.78.0.1", "b": "10.78.0.2"}
 REASON = why_no_namespaces()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+
+
+class Capture:
+    """Every frame crossing a network link, as tcpdump would record it (a raw packet socket)."""
+
+    def __init__(self, link: str) -> None:
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))  # ETH_P_ALL
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 20)
+        self.sock.bind((link, 0))
+        self.sock.settimeout(0.2)
+        self.frames: list[bytes] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            try:
+                self.frames.append(self.sock.recv(1 << 16))
+            except TimeoutError:
+                continue
+
+    def bytes(self) -> bytes:
+        self.stop.set()
+        self.thread.join(timeout=5)
+        self.sock.close()
+        return b"".join(self.frames)
 
 
 def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
@@ -33,7 +64,8 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
     flags = ["--ps-hosts", ",".join(servers), "--workers", "2"]
-    with network(HOSTS, prefix="p"):
+    with network(HOSTS, prefix="p") as links:
+        capture = Capture(links["b"])
         tasks = [
             task("a", tf_task={"type": "ps", "index": 0}),
             task("b", *flags, "--role", "ps", "--index", "1"),
@@ -45,11 +77,14 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
             time.sleep(0.05)
         tasks.append(task("b", *flags, "--role", "worker", "--index", "1"))
         results = wait_all(tasks, timeout=120)
+        wire = capture.bytes()
     for code, _, err in results:
         assert code == 0, err[-3000:]
-        assert "warning: no TLS: the job's token and every gradient cross the network in clear text" in err
     (_, out_a, _), (_, out_b, _) = results[:2]
-    assert f"parameter server 0 listening on {servers[0]}" in out_a and f"parameter server 1 listening on {servers[1]}" in out_b
+    assert f"parameter server 0 listening on {servers[0]} with TLS" in out_a and f"parameter server 1 listening on {servers[1]} with TLS" in out_b
+    assert len(wire) > 100_000 and wire.count(b"\x17\x03\x03") > 100  # the job's traffic, in TLS records
+    assert b"shared-by-the-job" not in wire  # the token
+    assert b'"fields"' not in wire and b"grad/" not in wire  # any request's header, or a pushed gradient's name
     assert all("every worker has finished; exiting" in stdout for _, stdout, _ in results[:2])
     progress = read_progress(out)
     assert {w: max(s for v, _, s in progress if v == w) for w in (0, 1)} == {0: steps, 1: steps}

@@ -23,7 +23,7 @@ import grpc
 import torch
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import METHOD, SERVICE, STREAM, TOKEN_KEY
+from loom.strategies.parameter_server.service import METHOD, SERVICE, STREAM, TOKEN_KEY
 from loom.strategies.parameter_server.transport import TLS, client_channel
 from loom.strategies.parameter_server.wire import decode, encode
 
@@ -95,7 +95,8 @@ class ServerClient:
             if "handshake failed" in (error.details() or "").lower():  # retrying cannot help
                 raise LoomError(
                     f"parameter server {self.address}: the TLS handshake failed; workers and servers need the same "
-                    "certificate (--ps-tls-cert or LOOM_PS_TLS_CERT), naming the server's host, and servers its key"
+                    "certificate (--ps-tls-cert or LOOM_PS_TLS_CERT), or certificates from the same authority "
+                    "(loom run makes them from LOOM_PS_TOKEN; else LOOM_PS_TLS_CA), a server's naming its host"
                 ) from error
             if time.monotonic() + wait > give_up:
                 raise ServerUnavailableError(

@@ -25,7 +25,8 @@ import threading
 import time
 
 from loom.errors import LoomError
-from loom.strategies.parameter_server.server import ParameterServer, lost_message
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.state_file import lost_message
 from loom.strategies.parameter_server.transport import TLS
 
 SAVE_SHARE = 20  # a save waits at least this many times as long as the last one took
@@ -61,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
+    try:
+        port = server.serve(args.port, args.host, workers=args.workers, tls=tls)
+    except LoomError as error:
+        print(f"loom: error: parameter server {args.index}: {error}", file=sys.stderr)
+        return 2
     state = f" (resumed from {args.checkpoint}: {resumed})" if resumed else ""
     print(f"loom: parameter server {args.index} listening on {args.host}:{port}{' with TLS' if tls else ''}{state}", flush=True)
     next_save = time.monotonic() + args.checkpoint_every

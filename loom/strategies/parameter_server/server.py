@@ -1,8 +1,7 @@
 """A parameter server: holds its share of the variables, applies pushed gradients, serves pulls.
 
-It runs a gRPC server (``grpcio``: deadlines, retries, metadata) with one generic method that
-carries ``loom.strategies.parameter_server.wire`` messages. Every call must carry the job's
-token in its metadata; anything else is refused before it is read. A push carries the
+It is served over gRPC (``service.py``: the job's token, checked before a request is read) and
+keeps its state on disk in a snapshot and a write-ahead log (``state_file.py``, ``wal.py``). A push carries the
 worker's name and a sequence number, so a retried push is applied once; each push is
 applied whole, under the locks of the variables it touches. It is applied in two steps,
 staged on every server it touches, then committed: a worker that dies mid-push leaves
@@ -23,35 +22,26 @@ without them.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import threading
 import time
-from concurrent import futures
 from pathlib import Path
 from typing import Any, Iterator
 
-import grpc
 import torch
 
-from loom.errors import CheckpointError
-from loom.strategies.parameter_server import wal
+from loom.strategies.parameter_server import schema, state_file, wal
 from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.rounds import Round
-from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size
-from loom.strategies.parameter_server.wire import WireError, decode, encode
+from loom.strategies.parameter_server.service import Service
+from loom.strategies.parameter_server.state_file import LostUpdatesError, lost_message
+from loom.strategies.parameter_server.transport import TLS
+from loom.strategies.parameter_server.wire import WireError
 
-SERVICE, METHOD, STREAM = "loom.ParameterServer", "Call", "Stream"  # a call per request, or a stream of them (client.py)
-TOKEN_KEY = "loom-token"
-CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.py)
 LINEAGE_KEPT = 100
 CHANGES = frozenset({"create", "commit", "finish", "write", "lineage"})  # requests acknowledged only once their changes are logged
-
-
-class LostUpdatesError(Exception):
-    """A worker has seen updates that this server, restarted, no longer has."""
 
 
 class ParameterServer:
@@ -85,7 +75,7 @@ class ParameterServer:
         self._staged: dict[tuple[str, int], tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # (worker, seq) -> push
         self._locks = {name: threading.Lock() for name in [*self.dense, *self.tables]}
         self._seq_lock = threading.Lock()
-        self._server: grpc.Server | None = None
+        self._service: Service | None = None
         self.meetings = Meetings()  # reduce/gather/barrier over the workers (server 0's)
         self.lineage: list[str] = []  # checkpoints this state was saved to or restored from, newest last
         self.log: wal.WriteAheadLog | None = None  # set by ``recover``: every change is logged before it is acknowledged
@@ -96,10 +86,11 @@ class ParameterServer:
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Answer one request; one that changed the state only once the change is in the log."""
+        """Answer one request, checked first (``schema.py``); one that changed the state only once the change is in the log."""
+        op = schema.check(fields, tensors)
         self._check_seen(fields.get("seen", -1))
         reply = self._handle(fields, tensors)
-        if self.log is not None and fields.get("op") in CHANGES:
+        if self.log is not None and op in CHANGES:
             self.log.sync()
         return reply
 
@@ -180,17 +171,18 @@ class ParameterServer:
         with self._seq_lock:
             if self.created:
                 return False
-            for key, value in tensors.items():
-                kind, name = key.split("/", 1)
-                (self.dense if kind == "dense" else self.tables)[name] = value.clone()
-                self._locks[name] = threading.Lock()
+            rule = ServerOptimizer(**optimizer)  # all made before any is kept: a bad request changes nothing
+            dense = {key.split("/", 1)[1]: value.clone() for key, value in tensors.items() if key.startswith("dense/")}
+            tables = {key.split("/", 1)[1]: value.clone() for key, value in tensors.items() if key.startswith("table/")}
             for name, spec in generate.items():
                 generator = torch.Generator().manual_seed(spec["seed"])
-                self.tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
+                tables[name] = torch.randn(spec["rows"], spec["dim"], generator=generator)
                 if spec.get("padding_row") is not None:  # nn.Embedding(padding_idx=...) starts that row at zero
-                    self.tables[name][spec["padding_row"]] = 0.0
-                self._locks[name] = threading.Lock()
-            self.optimizer = ServerOptimizer(**optimizer)
+                    tables[name][spec["padding_row"]] = 0.0
+            self.dense.update(dense)
+            self.tables.update(tables)
+            self._locks.update({name: threading.Lock() for name in [*dense, *tables]})
+            self.optimizer = rule
             self.created = True
             self._record({"op": "create", "optimizer": optimizer, "generate": generate}, tensors)
             return True
@@ -456,185 +448,31 @@ class ParameterServer:
             elif kind not in ("grad", "rowids"):
                 raise WireError(f"unknown tensor '{key}' in a push")
 
-    # ---- checkpoints -------------------------------------------------------------------------
+    # ---- state files and serving ---------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Everything this server holds, in one safetensors file replaced atomically (no pickle).
-
-        With a log (``recover``) the snapshot starts the log's next generation, and the ones it
-        holds are removed once it is in place.
-        """
-        from safetensors.torch import save_file
-
-        locks = [self._round_lock] + [self._locks[n] for n in sorted(self._locks)] + [self._seq_lock]  # as updates take them
-        for lock in locks:  # one consistent snapshot: no push half in it
-            lock.acquire()
-        try:
-            tensors = {f"dense/{n}": t.clone() for n, t in self.dense.items()}
-            tensors.update({f"table/{n}": t.clone() for n, t in self.tables.items()})
-            for round_, pending in self._rounds.items():  # shares acknowledged but not yet applied
-                tensors.update({f"round/{round_}/{key}": t.clone() for key, t in pending.tensors().items()})
-            steps = {}
-            for var, slots in self.optimizer.state.items():
-                steps[var] = slots["step"]
-                tensors.update({f"opt/{var}/{k}": v.clone() for k, v in slots.items() if isinstance(v, torch.Tensor)})
-            rotated = self.log is not None and Path(path) == self.log.snapshot
-            if rotated:
-                with self._log_lock:
-                    self.log_from = self.log.rotate()
-            meta = {
-                "optimizer": {k: v for k, v in dataclasses.asdict(self.optimizer).items() if k != "state"},
-                "steps": steps,
-                "version": self.version,
-                "applied": self.applied,
-                "last_seq": self._last_seq,
-                "staleness": self.staleness,
-                "created": self.created,
-                "progress": self.progress,
-                "joined": sorted(self.joined),
-                "finished": self.finished,
-                "round": self.round,
-                "lineage": self.lineage,
-                "rounds": {r: {"expected": p.expected, "workers": sorted(p.workers)} for r, p in self._rounds.items()},
-                "log_from": self.log_from,
-            }
-        finally:
-            for lock in reversed(locks):
-                lock.release()
-        temp = f"{path}.tmp-{os.getpid()}"
-        save_file(tensors, temp, metadata={"loom": json.dumps(meta)})
-        os.replace(temp, path)
-        if rotated:
-            self.log.prune(before=self.log_from)
+        """Everything this server holds, in one safetensors file replaced atomically (``state_file.save``)."""
+        state_file.save(self, path)
 
     @classmethod
     def restore(cls, token: str, path: str | os.PathLike) -> ParameterServer:
-        """A server with the state ``save`` wrote; pushes already applied stay applied once.
-
-        The file is read as safetensors and JSON only: anything else (a pickle, say) is refused
-        in one line, unread.
-        """
-        meta, tensors = _read_state(path)
-        optimizer = ServerOptimizer(**meta["optimizer"])
-        for var, step in meta["steps"].items():
-            optimizer.state[var] = {"step": step}
-        for key, value in tensors.items():
-            kind, rest = key.split("/", 1)
-            if kind == "opt":
-                var, slot = rest.rsplit("/", 1)
-                optimizer.state[var][slot] = value
-        dense = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("dense/")}
-        tables = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("table/")}
-        server = cls(token, dense, tables, optimizer)
-        server.created = meta["created"]
-        server.version, server.applied, server._last_seq = meta["version"], meta["applied"], meta["last_seq"]
-        server.staleness = {int(k): v for k, v in meta["staleness"].items()}
-        server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
-        server.round = meta["round"]
-        server.lineage = meta.get("lineage", [])
-        server.log_from = meta.get("log_from", 0)
-        for round_, info in meta["rounds"].items():
-            shares = {key.split("/", 2)[2]: t for key, t in tensors.items() if key.startswith(f"round/{round_}/")}
-            server._rounds[int(round_)] = Round.restored(info["expected"], info["workers"], shares)
-        return server
+        """A server with the state ``save`` wrote (``state_file.restore``)."""
+        return state_file.restore(cls, token, path)
 
     @classmethod
     def recover(cls, token: str, path: str | os.PathLike, durable: bool = True) -> tuple[ParameterServer, str]:
-        """The state kept at ``path``: its snapshot, if any, with its log replayed; and a line
-        saying what came back (empty when nothing was kept). From then on every change is logged
-        before it is acknowledged (``durable``: and fsync'd; else a power cut may lose what
-        ``kill -9`` does not).
-
-        A server that came back is snapshotted at once, so the log it writes next never follows
-        damage that a later recovery would stop at.
-        """
-        snapshot = Path(path)
-        server = cls.restore(token, snapshot) if snapshot.exists() else cls(token)
-        from_snapshot = server.version
-        replay = wal.read(snapshot, server.log_from)
-        for fields, tensors in replay.records:
-            server._replay(fields, tensors)
-        server.resumed_at = server.version
-        server.log = wal.WriteAheadLog(snapshot, max([server.log_from - 1, *wal.generations(snapshot)]) + 1, durable)
-        if not (snapshot.exists() or replay.records):
-            return server, ""
-        server.save(snapshot)
-        line = f"{server.version} updates: {from_snapshot} from its snapshot, {server.version - from_snapshot} from its log"
-        if replay.damage:
-            line += f"; the log ends early: {replay.damage}"
-        return server, line
-
-    # ---- serving -------------------------------------------------------------------------------
-    def _call(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        self._admit(context)
-        return self._answer(request, context)
-
-    def _stream(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        """A worker's stream of requests, answered in order; a bad one ends the stream with its error."""
-        self._admit(context)
-        for request in requests:
-            yield self._answer(request, context)
-
-    def _admit(self, context: grpc.ServicerContext) -> None:
-        if dict(context.invocation_metadata()).get(TOKEN_KEY) != self.token:
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")
-
-    def _answer(self, request: bytes, context: grpc.ServicerContext) -> bytes:
-        try:
-            fields, tensors = decode(request)
-            reply_fields, reply_tensors = self.handle(fields, tensors)
-        except LostUpdatesError as error:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
-        except (WireError, KeyError, IndexError) as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {error}")
-        return encode(reply_fields, reply_tensors)
+        """The state kept at ``path``, its log replayed, and a line on what came back (``state_file.recover``)."""
+        return state_file.recover(cls, token, path, durable)
 
     def serve(self, port: int, host: str = "127.0.0.1", workers: int | None = None, tls: TLS | None = None) -> int:
-        """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port.
-
-        Each worker's stream holds a thread, and so does a worker waiting for a synchronous round
-        or a collective, so the pool has two per worker (``workers``) and some to spare.
-        ``tls``: accept TLS only.
-        """
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=pool_size(workers)), options=channel_options())
-        methods = {METHOD: grpc.unary_unary_rpc_method_handler(self._call), STREAM: grpc.stream_stream_rpc_method_handler(self._stream)}
-        handler = grpc.method_handlers_generic_handler(SERVICE, methods)
-        self._server.add_generic_rpc_handlers((handler,))
-        bound = listen(self._server, f"{host}:{port}", tls)
-        if bound == 0:
-            raise OSError(f"cannot listen on {host}:{port} (in use?)")
-        self._server.start()
-        return bound
+        """Start serving on ``host:port`` (loopback unless told otherwise); returns the bound port (``service.py``)."""
+        self._service = Service(self.token, self.handle)
+        return self._service.start(port, host, workers, tls)
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.stop(grace=1).wait()
+        if self._service is not None:
+            self._service.stop()
         if self.log is not None:
             self.log.close()
-
-
-def lost_message(lost: dict[str, int]) -> str:
-    """One line on updates a restarted server lost (``lost``: the newest version a worker saw, and the one it came back at)."""
-    count = lost["seen"] - lost["resumed_at"]
-    return (
-        f"lost {count} updates that workers saw applied: it came back at update {lost['resumed_at']}, a worker had seen "
-        f"update {lost['seen']} (its state files were removed or damaged); they cannot be recovered, so the job stops: "
-        "start it again from its last checkpoint"
-    )
-
-
-def _read_state(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """A state file's JSON metadata and tensors, read as safetensors (never unpickled); one line if it is anything else."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as file:
-            meta = json.loads(file.metadata()["loom"])
-            return meta, {key: file.get_tensor(key) for key in file.keys()}
-    except (SafetensorError, KeyError, TypeError, ValueError) as error:
-        raise CheckpointError(
-            f"{path} is not a parameter-server state file loom wrote ({type(error).__name__}: {error}); it is not loaded: "
-            "remove it to start that server afresh"
-        ) from None
 
 
 def _rowwise(slot: Any, value: torch.Tensor) -> bool:

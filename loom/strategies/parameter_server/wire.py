@@ -10,12 +10,16 @@ garbage gets a clear error, not code execution.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
 import torch
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)}
+
+MAX_DIM = 1 << 40  # elements: far beyond any message's bytes
+MAX_DIMS = 64
 
 
 class WireError(ValueError):
@@ -41,14 +45,23 @@ def decode(message: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The fields and tensors of a message from ``encode``; ``WireError`` for anything else."""
     try:
         (length,) = struct.unpack_from("<I", message)
+        if 4 + length > len(message):
+            raise ValueError(f"its header of {length} bytes runs past the end of the message")
         header = json.loads(message[4 : 4 + length])
         fields, layout = header["fields"], header["tensors"]
+    except RecursionError:
+        raise WireError("not a parameter-server message (its header is nested too deeply)") from None
     except (struct.error, ValueError, KeyError, TypeError) as error:
         raise WireError(f"not a parameter-server message ({error})") from error
+    if not isinstance(layout, list):
+        raise WireError(f"not a parameter-server message (its tensors are {type(layout).__name__}, not a list)")
     tensors, offset = {}, 4 + length
     buffer = memoryview(message)
-    for name, dtype, shape in layout:
-        if dtype not in _DTYPES:
+    for entry in layout:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], list)):
+            raise WireError(f"a tensor entry must be [name, dtype, shape], not {str(entry)[:60]}")
+        name, dtype, shape = entry
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
             raise WireError(f"tensor '{name}' has an unknown dtype {dtype!r}")
         size = _DTYPES[dtype].itemsize * _numel(shape)
         if offset + size > len(message):
@@ -60,9 +73,12 @@ def decode(message: bytes) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def _numel(shape: list[int]) -> int:
+    """Elements in ``shape``; no dimension so large that torch could not lay it out, even beside a 0."""
     n = 1
     for d in shape:
-        if not isinstance(d, int) or d < 0:
-            raise WireError(f"bad tensor shape {shape}")
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > MAX_DIM:
+            raise WireError(f"bad tensor shape {str(shape)[:60]}")
         n *= d
+    if len(shape) > MAX_DIMS or math.prod(max(d, 1) for d in shape) > MAX_DIM:
+        raise WireError(f"bad tensor shape {str(shape)[:60]}")
     return n

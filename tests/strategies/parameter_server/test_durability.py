@@ -11,7 +11,8 @@ import torch
 
 from loom.errors import CheckpointError
 from loom.strategies.parameter_server import serve, wal
-from loom.strategies.parameter_server.server import LostUpdatesError, ParameterServer
+from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.state_file import LostUpdatesError
 
 OPTIMIZER = {"kind": "Adagrad", "groups": [{"lr": 0.1}], "assign": {}, "lazy_rows": False}
 

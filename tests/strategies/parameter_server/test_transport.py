@@ -1,6 +1,7 @@
 """TLS between workers and servers, a worker's stream of requests, and a server's thread pool sized by its workers."""
 
 import subprocess
+import sys
 import threading
 import time
 
@@ -9,11 +10,13 @@ import torch
 import torch.nn.functional as F
 
 from loom.errors import LaunchError, LoomError
+from loom.launch.certificates import task_certificate
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.service import Service
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from loom.strategies.parameter_server.transport import CERT_ENV, KEY_ENV, TLS
-from tests.helpers import free_port
+from tests.helpers import ROOT, free_port, job_env
 from tests.scripts.clicks import Clicks
 
 
@@ -96,15 +99,16 @@ def test_workers_waiting_for_a_round_do_not_queue_the_others_calls():
     assert took < 0.3, f"the pull waited {took:.2f}s for a free thread"
 
 
-def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is_renewed():
+def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is_renewed(monkeypatch):
     """Pushes, commits and reads ride one stream per server (not a call each); a stream broken by
     a server restart is reopened (its request sent again), and one half its deadline old is renewed."""
-    port, opened = free_port(), []
+    port, opened, serving_now = free_port(), [], []
+    answer = Service._stream
+    monkeypatch.setattr(Service, "_stream", lambda self, requests, context: (opened.append(serving_now[-1]), (yield from answer(self, requests, context)))[1])
 
     def serving(value):
         server = ParameterServer("job-token", {"w": torch.full((2,), value)})
-        answer = server._stream
-        server._stream = lambda requests, context: (opened.append(value), (yield from answer(requests, context)))[1]
+        serving_now.append(value)
         server.serve(port)
         return server
 
@@ -124,3 +128,45 @@ def test_a_workers_step_requests_share_one_stream_that_survives_a_restart_and_is
     assert opened == [1.0, 2.0, 2.0]
     client.close()
     second.stop()
+
+
+def test_a_port_in_use_by_a_parameter_server_is_one_line(tmp_path):
+    """A second server on a first one's port is refused (gRPC alone would share the port between
+    them), in one line: in-process as an error, and as a process its only output."""
+    first = ParameterServer("job-token")
+    port = first.serve(free_port())
+    try:
+        with pytest.raises(LaunchError, match=rf"^cannot listen on 127.0.0.1:{port}: the port is in use; stop what holds it"):
+            ParameterServer("job-token").serve(port)
+        command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(port), "--index", "1"]
+        done = subprocess.run(command, env=job_env({"LOOM_PS_TOKEN": "job-token"}), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    finally:
+        first.stop()
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"loom: error: parameter server 1: cannot listen on 127.0.0.1:{port}: the port is in use; "
+        "stop what holds it (another parameter server?) or give this server another port\n"
+    )
+
+
+def test_mutual_tls_from_the_job_authority_admits_the_jobs_tasks_only(tmp_path):
+    """Certificates made by two launchers of one job (each from the token alone) meet; a client
+    with no certificate, or one from another job's authority, is refused at the handshake."""
+    server_tls, worker_tls, stranger_tls = (
+        TLS.from_env(env=task_certificate(token, "127.0.0.1", tmp_path / name))
+        for name, token in (("server", "job-token"), ("worker", "job-token"), ("stranger", "another-job"))
+    )
+    server = ParameterServer("job-token", {"w": torch.ones(2)})
+    address = f"127.0.0.1:{server.serve(free_port(), tls=server_tls)}"
+    try:
+        client = ServerClient(address, "job-token", patience=2, tls=worker_tls)
+        assert torch.equal(client.call({"op": "pull", "names": ["w"]})[1]["w"], torch.ones(2))
+        client.close()
+        for tls in (TLS(server_tls.authority), stranger_tls):  # trusts the server, but shows no certificate; another job's
+            client = ServerClient(address, "job-token", patience=1, tls=tls)
+            with pytest.raises(LoomError, match=f"parameter server {address}"):
+                client.call({"op": "ready"})
+            client.close()
+    finally:
+        server.stop()
+    assert (tmp_path / "server" / "task.key").stat().st_mode & 0o077 == 0
