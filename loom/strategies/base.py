@@ -147,8 +147,8 @@ class Strategy(ABC):
         module = model.to(self.device)
         with self._guard():
             said = exact.apply(module, fast_path) if self.device.type == "cpu" and not self._model_in_parts else None
-            if said:
-                self.print(said)
+            if said:  # beside the job's first line, on stderr: what loom did, not what the script prints
+                self.print(said, file=sys.stderr)
             plan = None
             if candidates:
                 plan = choose_fast_path(module, example_input.to(self.device), candidates, self.precision.autocast, self.precision.dtype)
@@ -375,7 +375,7 @@ class Strategy(ABC):
         self._model_in_parts = True
         said = exact.allocator_only(fast_path) if self.device.type == "cpu" else None
         if said:
-            self.print(said)
+            self.print(said, file=sys.stderr)
 
     def _guard(self) -> ContextManager[None]:
         return self._connection.guard() if self._connection is not None else nullcontext()

@@ -31,7 +31,7 @@ def train(fast: bool, capsys: pytest.CaptureFixture) -> tuple[nn.Module, str, di
     raw = convnet()
     model, opt = strategy.prepare(raw, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), **options)
     after_prepare = {k: v.clone() for k, v in raw.state_dict().items()}
-    line = capsys.readouterr().out.splitlines()[-1] + "\n"  # the trial's, after the exact one
+    line = (capsys.readouterr().out.splitlines() or [""])[-1] + "\n"  # the trial's
     step = strategy.train_step(model, F.cross_entropy, opt)
     for x, y in data:
         step(x, y)
@@ -105,7 +105,7 @@ def train_at(fast_path_setting, net: nn.Module, capsys: pytest.CaptureFixture) -
     step = strategy.train_step(model, F.cross_entropy, opt)
     for x, y in batches():
         step(x, y)
-    return net.state_dict(), capsys.readouterr().out
+    return net.state_dict(), capsys.readouterr().err
 
 
 @pytest.fixture
@@ -145,25 +145,23 @@ def test_the_launcher_sets_the_allocator_before_its_processes_start_and_fast_pat
     """A 40 MiB block made again and again faults its pages afresh each time unless memory is kept."""
     launched = loom_run(["run", "--nproc", "1", str(SCRIPTS / "fast_defaults.py"), "default", "off"], timeout=240)
     assert launched.returncode == 0, launched.stderr
-    said = [line for line in launched.stdout.splitlines() if line.startswith(("loom: fast path", "faults"))]
-    assert said[0].endswith("reuse_memory (glibc tunables set by loom's launcher)"), said
-    assert said[2].startswith("loom: fast path off (fast_path=False)"), said
-    on, off = int(said[1].split()[1]), int(said[3].split()[1])
-    assert on < 1_000 < 10_000 < off, said
+    said = [line for line in launched.stderr.splitlines() if line.startswith("loom: fast path")]
+    assert len(said) == 2 and said[0].endswith("reuse_memory (glibc tunables set by loom's launcher)"), launched.stderr
+    assert said[1].startswith("loom: fast path off (fast_path=False)"), said
+    on, off = (int(line.split()[1]) for line in launched.stdout.splitlines() if line.startswith("faults"))
+    assert on < 1_000 < 10_000 < off, launched.stdout
     import subprocess
     import sys
 
     plain = subprocess.run([sys.executable, str(SCRIPTS / "fast_defaults.py"), "off", "default"], capture_output=True, text=True, timeout=240, env=job_env())
-    said = plain.stdout.splitlines()
-    assert said[1].endswith("reuse_memory (mallopt in this process, which loom's launcher did not start)"), said
-    assert int(said[0].split()[1]) > 10_000 > 1_000 > int(said[2].split()[1]), said
+    assert plain.stderr.splitlines()[-1].endswith("reuse_memory (mallopt in this process, which loom's launcher did not start)"), plain.stderr
+    off, on = (int(line.split()[1]) for line in plain.stdout.splitlines())
+    assert off > 10_000 > 1_000 > on, plain.stdout
 
 
 def test_a_process_that_sets_its_allocator_keeps_it_and_the_line_says_so(monkeypatch, capsys):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     monkeypatch.setattr(allocator._State, "how", None)
-    train_at(None, convnet(), capsys)
-    assert capsys.readouterr().out == ""
     _, said = train_at(None, convnet(), capsys)
     assert said.endswith("not reuse_memory (the process sets its allocator already (MALLOC_ARENA_MAX), which loom leaves as it is)\n")
     assert allocator.kept() is None
@@ -261,11 +259,11 @@ class LayoutBound(nn.Module):
 
 @pytest.mark.parametrize("fast_is_channels_last", [True, False])
 def test_the_trial_picks_the_truly_faster_program_after_its_first_call_costs(fast_is_channels_last):
-    model = LayoutBound(0.05, fast_is_channels_last, first_call=0.5)  # the first call of the fast one is the slowest of all
+    model = LayoutBound(0.2, fast_is_channels_last, first_call=1.0)  # the first call of the fast one is the slowest of all
     plan = fast_path.choose(model, batches(1)[0][0], ["channels_last"], lambda: torch.autocast("cpu", enabled=False))
     assert plan.channels_last == fast_is_channels_last, plan.line()
     slow, fast = ("eager", "channels_last") if fast_is_channels_last else ("channels_last", "eager")
-    assert plan.seconds[slow] > 0.05 and plan.seconds[slow] - plan.seconds[fast] > 0.03, plan.line()
+    assert plan.seconds[slow] - plan.seconds[fast] > 0.15, plan.line()  # the wait, not the first call's
     assert "tolerance" in plan.line() and math.isfinite(plan.seconds["eager"])
 
 
