@@ -15,7 +15,8 @@ setting (the allocator) is measured as it is used:
 Every round runs each contender once, in an order rotated from round to round, so that the
 machine's slow spells fall on all of them; each run times ``--steps`` steps after 3 warm-up steps,
 and the median over the rounds is kept. A ratio is loom's median over plain eager's, from the
-same run. Each process also reports its peak resident memory (the allocator keeps its heap at its
+same run; so is the median of each round's own ratio, which a load drifting between rounds moves
+less. Each process also reports its peak resident memory (the allocator keeps its heap at its
 peak: the cost of ``reuse_memory``). TensorFlow 2.21 (``bench/peers/tf_peer.py``) joins the
 rounds when ``.venv-tf`` exists (``make bench-tf``). Writes bench/results/fast_path.json and .png.
 """
@@ -167,10 +168,15 @@ def summary(runs: dict[str, list[dict]], contenders: list[str], args: argparse.N
                 rows = runs[f"{name} {nproc} {contender}"]
                 rate = statistics.median(row["samples_per_sec"] for row in rows)
                 rss = [row["peak_rss_mb"] for row in rows if "peak_rss_mb" in row]
-                entry = {"samples_per_sec": rate, "vs_plain": rate / plain, "peak_rss_mb": statistics.median(rss) if rss else None, "lines": rows[-1].get("lines", [])}
+                pairs = [row["samples_per_sec"] / base["samples_per_sec"] for row, base in zip(rows, runs[f"{name} {nproc} plain eager"])]
+                entry = {
+                    "samples_per_sec": rate, "vs_plain": rate / plain, "vs_plain_by_round": pairs, "vs_plain_paired": statistics.median(pairs),
+                    "peak_rss_mb": statistics.median(rss) if rss else None, "lines": rows[-1].get("lines", []),
+                }  # fmt: skip
                 table[f"{name} {nproc} {contender}"] = entry
                 memory = f"peak RSS {entry['peak_rss_mb']:6.0f} MB" if rss else ""
-                print(f"{name} {nproc} proc  {contender:<20} {rate:8,.0f} samples/s  {rate / plain:5.2f}x plain eager  {memory}  {' | '.join(entry['lines'])}")
+                paired = f"(median of each round's ratio {entry['vs_plain_paired']:.2f}x, {min(pairs):.2f}-{max(pairs):.2f}x)"
+                print(f"{name} {nproc} proc  {contender:<20} {rate:8,.0f} samples/s  {rate / plain:5.2f}x plain eager {paired}  {memory}  {' | '.join(entry['lines'])}")
     return table
 
 
