@@ -1,25 +1,24 @@
-"""The measured compute fast path against eager, bf16-mixed, and TensorFlow's figures, W1 and W2.
+"""loom at its defaults against plain eager PyTorch on the CPU, W1 and W2, as ratios from one interleaved run.
 
-    python bench/fast_path.py [--nproc 1 2] [--rounds 3] [--steps 3] [--compile]
+    python bench/fast_path.py [--nproc 1 2] [--rounds 3] [--steps 5] [--trial]
 
-For each number of processes and each workload, one job (``loom run --nproc N``) runs every
-contender in the same processes, in interleaved blocks of steps (order rotating per round), so
-that each workload's trial starts on a fresh allocator, as a training script's does:
+Each contender runs in processes of its own, as a user's script would, so that a process-wide
+setting (the allocator) is measured as it is used:
 
-- ``eager fp32``: ``strategy.prepare(model, opt)``;
-- ``fast path fp32``: ``prepare(..., fast_path=[...], example_input=x)``, whose one line is kept;
-- ``bf16-mixed + fast path``: the same under ``precision="bf16-mixed"``.
+- ``plain eager``: hand-written PyTorch, ``python`` for one process, ``torchrun`` and
+  ``DistributedDataParallel`` for two (glibc's allocator as it comes);
+- ``loom defaults``: ``loom run --nproc N`` and ``strategy.prepare(model, opt)``, nothing else
+  (the exact fast path: glibc tunables from the launcher, ``pool_before_relu``);
+- ``loom fast_path=True`` (with ``--trial``): the inexact candidates too, chosen by the trial on
+  the first batch (the choice's line is kept).
 
-Candidates: every one but compile. reuse_memory is process-wide, so each contender's
-blocks run on the allocator its own trial chose (eager's on glibc's thresholds where they slide
-to, as a trial leaves them), after one untimed step.
-
-TensorFlow 2.21 fp32 (``bench/peers/tf_peer.py``, MultiWorkerMirrored with as many workers as
-loom has processes and as many intra-op threads each) runs in the same run, just before and just
-after each loom job, when ``.venv-tf`` exists (``make bench-tf``); else issue 15's figures stand in. ``torch.compile`` is a
-candidate only with ``--compile`` (its compile time on this 2-core machine is minutes). A
-``torch.profiler`` table of one W2 fp32 step, eager and channels_last, shows where the time goes
-(bench/w2_profile.py sets it beside TensorFlow's, operator by operator).
+Every round runs each contender once, in an order rotated from round to round, so that the
+machine's slow spells fall on all of them; each run times ``--steps`` steps after 3 warm-up steps,
+and the median over the rounds is kept. A ratio is loom's median over plain eager's, from the
+same run; so is the median of each round's own ratio, which a load drifting between rounds moves
+less. Each process also reports its peak resident memory (the allocator keeps its heap at its
+peak: the cost of ``reuse_memory``). TensorFlow 2.21 (``bench/peers/tf_peer.py``) joins the
+rounds when ``.venv-tf`` exists (``make bench-tf``). Writes bench/results/fast_path.json and .png.
 """
 
 from __future__ import annotations
@@ -28,12 +27,13 @@ import argparse
 import io
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import torch
@@ -43,65 +43,59 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench.peers.run import launch, missing  # noqa: E402
-from bench.workloads import RESULTS, WORKLOADS, endless, machine, save  # noqa: E402
-from loom.fast import fast_path  # noqa: E402
+from bench.workloads import RESULTS, WORKLOADS, endless, machine, save, sgd_step  # noqa: E402
 
-TF_FP32 = {("W1", 2): 1986, ("W2", 1): 1105, ("W2", 2): 1118}  # samples/s, issue 15's table: used when TF is missing
+WARMUP = 3
 TF_STEPS = {"W1": 20, "W2": 10}
-CONTENDERS = ("eager fp32", "fast path fp32", "bf16-mixed + fast path")
 
 
-def worker(rounds: int, steps: int, candidates: list[str], name: str, out: str) -> None:
-    import loom
-
-    results: dict = {}
+def worker(contender: str, name: str, steps: int, out: str) -> None:
+    """One contender's run of a workload in this process (one of ``nproc``): samples/s, peak RSS, loom's lines."""
     workload = WORKLOADS[name]
     data = workload.data(batches=4)
-    contenders, lines, allocator = {}, {}, {}
-    for contender in CONTENDERS:
-        strategy = loom.auto_strategy(precision="bf16-mixed" if contender.startswith("bf16") else "32", timeout=600)
-        torch.manual_seed(0)
+    said = io.StringIO()
+    if contender == "plain eager":
+        step, rank = _plain(workload, data)
+    else:
+        import loom
+
+        strategy = loom.auto_strategy(timeout=600)
         loader = strategy.distribute(data, batch_size=workload.global_batch)
-        example = next(iter(loader))[0]
-        options = {} if contender == "eager fp32" else {"fast_path": candidates, "example_input": example}
-        if fast_path._reusing:  # each trial starts from a process that does not keep memory
-            fast_path.reuse_memory(False)
-        said = io.StringIO()
-        with redirect_stdout(said):
+        options = {"fast_path": True, "example_input": next(iter(loader))[0]} if contender == "loom fast_path=True" else {}
+        torch.manual_seed(0)
+        with redirect_stdout(said), redirect_stderr(said):
             model, opt = strategy.prepare(workload.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), **options)
-        lines[contender] = said.getvalue().strip()
-        step = strategy.train_step(model, F.cross_entropy, opt)
-        batches = endless(loader)
-        contenders[contender] = lambda step=step, batches=batches: step(*next(batches))
-        allocator[contender] = "reuse_memory" in lines[contender].split(" (")[0]
-    for contender, run in contenders.items():
-        _allocator(allocator[contender])
-        run()
-    seconds: dict[str, list[float]] = {c: [] for c in contenders}
-    order = list(contenders)
-    for r in range(rounds):
-        for contender in order[r % len(order):] + order[: r % len(order)]:
-            _allocator(allocator[contender])  # process-wide: each contender runs on its own choice
-            contenders[contender]()  # untimed: after a change of allocator, its heap fills
-            _barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                contenders[contender]()
-            _barrier()
-            seconds[contender].append((time.perf_counter() - start) / steps)
-    results[name] = {
-        c: {"samples_per_sec": workload.global_batch / statistics.median(s), "blocks": s, "choice": lines[c]}
-        for c, s in seconds.items()
-    }
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1 and name == "W2":
-            results["profile"] = profile()
-        Path(out).write_text(json.dumps(results))
+        step, rank = sgd_step(model, opt, endless(loader), strategy.backward), strategy.replica_id
+    for _ in range(WARMUP):
+        step()
+    _barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    _barrier()
+    seconds = time.perf_counter() - start
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        lines = [line for line in said.getvalue().splitlines() if line.startswith("loom: fast path")]
+        Path(out).write_text(json.dumps({"samples_per_sec": steps * workload.global_batch / seconds, "peak_rss_mb": peak.item(), "lines": lines}))
 
 
-def _allocator(reuse: bool) -> None:
-    if fast_path._reusing != reuse:
-        fast_path.reuse_memory(reuse)
+def _plain(workload, data):
+    """Hand-written PyTorch: the model, SGD with momentum, and DDP over this process's share when several."""
+    torch.manual_seed(0)
+    model = workload.build()
+    rank, world = 0, 1
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    local = workload.global_batch // world
+    x, y = data.tensors
+    batches = [(x[i + rank * local : i + (rank + 1) * local], y[i + rank * local : i + (rank + 1) * local]) for i in range(0, len(x), workload.global_batch)]
+    return sgd_step(model, opt, endless(batches), lambda loss: loss.backward()), rank
 
 
 def _barrier() -> None:
@@ -109,95 +103,98 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def profile() -> dict[str, list[tuple[str, float]]]:
-    """Self CPU time of the top operators in one W2 fp32 step, eager and channels_last."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+def command(contender: str, nproc: int, name: str, steps: int, out: Path) -> list[str]:
+    me = [__file__, "--worker", contender, "--workload", name, "--steps", str(steps), "--out", str(out)]
+    if contender != "plain eager":
+        return [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", *me]
+    if nproc == 1:
+        return [sys.executable, *me]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *me]
 
-    workload = WORKLOADS["W2"]
-    x, y = torch.randn(workload.global_batch, 3, 32, 32), torch.randint(0, 10, (workload.global_batch,))
-    tables = {}
-    for layout in ("eager", "channels_last"):
-        torch.manual_seed(0)
-        model = workload.build()
-        if layout == "channels_last":
-            model = model.to(memory_format=torch.channels_last)
-        F.cross_entropy(model(x), y).backward()
-        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            F.cross_entropy(model(x), y).backward()
-        events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:8]
-        tables[layout] = [(e.key, e.self_cpu_time_total / 1e3) for e in events]
-    return tables
+
+def run_one(contender: str, nproc: int, name: str, steps: int, tmp: Path) -> dict:
+    out = tmp / f"{contender}-{nproc}-{name}.json".replace(" ", "_")
+    if contender == "tensorflow":
+        rate = launch("tensorflow", name, TF_STEPS[name], out, tf_workers=nproc, tf_threads=max(1, (os.cpu_count() or 1) // nproc))
+        return {"samples_per_sec": rate}
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    done = subprocess.run(command(contender, nproc, name, steps, out), cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(f"{contender} --nproc {nproc} {name} failed: {done.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="try torch.compile too")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--trial", action="store_true", help="also loom with fast_path=True (the inexact candidates' trial)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    candidates = [c for c in fast_path.CANDIDATES if c != "compile" or args.compile]
     if args.worker:
-        return worker(args.rounds, args.steps, candidates, args.worker, args.out)
+        return worker(args.worker, args.workload, args.steps, args.out)
+    contenders = ["plain eager", "loom defaults"] + (["loom fast_path=True"] if args.trial else [])
     no_tf = missing("tensorflow")
-    tf_fp32: dict[tuple[str, int], float] = dict(TF_FP32) if no_tf else {}
-    print(f"TensorFlow not measured ({no_tf}); issue 15's figures stand in" if no_tf else "TensorFlow measured in this run")
-    results: dict = {"machine": machine(), "candidates": candidates, "tf_measured_here": not no_tf, "load_average": os.getloadavg(), "runs": {}}
+    contenders += [] if no_tf else ["tensorflow"]
+    print(f"TensorFlow not measured: {no_tf}" if no_tf else "TensorFlow measured in this run", flush=True)
+    configs = [(nproc, name, c) for nproc in args.nproc for name in args.workloads for c in contenders]
+    runs: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for nproc in args.nproc:
-            tf_rates: dict[str, list[float]] = {name: [] for name in WORKLOADS}
-            if not no_tf:
-                _measure_tf(tf_rates, nproc, Path(tmp))
-            for name in WORKLOADS:
-                out = Path(tmp) / f"{nproc}-{name}.json"
-                command = [sys.executable, "-m", "loom.launch.cli", "run", "--nproc", str(nproc), "--timeout", "900", __file__, "--worker", name,
-                           "--rounds", str(args.rounds), "--steps", str(args.steps), "--out", str(out), *(["--compile"] if args.compile else [])]  # fmt: skip
-                done = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
-                if done.returncode:
-                    raise RuntimeError(f"--nproc {nproc} {name} failed: {done.stderr[-3000:]}")
-                results["runs"].setdefault(str(nproc), {}).update(json.loads(out.read_text()))
-            if not no_tf:
-                _measure_tf(tf_rates, nproc, Path(tmp))
-                tf_fp32.update({(name, nproc): statistics.median(rates) for name, rates in tf_rates.items()})
-    results["tf_fp32"] = {f"{w} {n}": v for (w, n), v in tf_fp32.items()}
-    for nproc, run in results["runs"].items():
-        for name in WORKLOADS:
-            tf = tf_fp32.get((name, int(nproc)))
-            for contender, row in run[name].items():
-                row["vs_tf_fp32"] = row["samples_per_sec"] / tf if tf else None
-                versus = f"{row['vs_tf_fp32']:.2f}x TF fp32" if tf else "(no TF figure)"
-                print(f"{name} {nproc} proc  {contender:<24} {row['samples_per_sec']:7.0f} samples/s  {versus}   {row['choice']}")
-    for layout, table in results["runs"].get("1", {}).get("profile", {}).items():
-        print(f"W2 fp32 step, {layout}: " + ", ".join(f"{k} {ms:.0f} ms" for k, ms in table[:5]))
+        for r in range(args.rounds):
+            shift = r * len(contenders) // max(args.rounds, 1)
+            for nproc, name in dict.fromkeys((n, w) for n, w, _ in configs):
+                for contender in contenders[shift:] + contenders[:shift]:
+                    row = run_one(contender, nproc, name, args.steps, Path(tmp))
+                    runs.setdefault(f"{name} {nproc} {contender}", []).append(row)
+                    print(f"round {r + 1}: {name} {nproc} proc {contender:<20} {row['samples_per_sec']:8,.0f} samples/s", flush=True)
+    table = summary(runs, contenders, args)
+    results = {"machine": machine(), "load_average": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "runs": runs, "summary": table}
     print(f"saved {save('fast_path', results)}")
-    plot(results, tf_fp32, RESULTS / "fast_path.png")
+    plot(table, RESULTS / "fast_path.png")
 
 
-def _measure_tf(rates: dict[str, list[float]], nproc: int, tmp: Path) -> None:
-    """One TensorFlow run of each workload on ``nproc`` workers sharing the cores as loom's processes do."""
-    threads = max(1, (os.cpu_count() or 1) // nproc)
-    for name in rates:
-        rates[name].append(launch("tensorflow", name, TF_STEPS[name], tmp / f"tf-{name}-{nproc}.json", tf_workers=nproc, tf_threads=threads))
+def summary(runs: dict[str, list[dict]], contenders: list[str], args: argparse.Namespace) -> dict[str, dict]:
+    """Median samples/s, ratio to plain eager and peak RSS per configuration; printed as a table."""
+    table: dict[str, dict] = {}
+    for nproc in args.nproc:
+        for name in args.workloads:
+            plain = statistics.median(row["samples_per_sec"] for row in runs[f"{name} {nproc} plain eager"])
+            for contender in contenders:
+                rows = runs[f"{name} {nproc} {contender}"]
+                rate = statistics.median(row["samples_per_sec"] for row in rows)
+                rss = [row["peak_rss_mb"] for row in rows if "peak_rss_mb" in row]
+                pairs = [row["samples_per_sec"] / base["samples_per_sec"] for row, base in zip(rows, runs[f"{name} {nproc} plain eager"])]
+                entry = {
+                    "samples_per_sec": rate, "vs_plain": rate / plain, "vs_plain_by_round": pairs, "vs_plain_paired": statistics.median(pairs),
+                    "peak_rss_mb": statistics.median(rss) if rss else None, "lines": rows[-1].get("lines", []),
+                }  # fmt: skip
+                table[f"{name} {nproc} {contender}"] = entry
+                memory = f"peak RSS {entry['peak_rss_mb']:6.0f} MB" if rss else ""
+                paired = f"(median of each round's ratio {entry['vs_plain_paired']:.2f}x, {min(pairs):.2f}-{max(pairs):.2f}x)"
+                print(f"{name} {nproc} proc  {contender:<20} {rate:8,.0f} samples/s  {rate / plain:5.2f}x plain eager {paired}  {memory}  {' | '.join(entry['lines'])}")
+    return table
 
 
-def plot(results: dict, tf_fp32: dict[tuple[str, int], float], path: Path) -> None:
+def plot(table: dict[str, dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = [(name, nproc) for nproc in results["runs"] for name in WORKLOADS]
-    fig, axis = plt.subplots(figsize=(10, 4.5))
-    width = 0.2
-    for i, contender in enumerate(CONTENDERS):
-        axis.bar([g + i * width for g in range(len(groups))], [results["runs"][n][w][contender]["samples_per_sec"] for w, n in groups], width, label=contender)
-    tf = [tf_fp32.get((w, int(n)), 0) for w, n in groups]
-    label = "TF 2.21 fp32 (this run)" if results["tf_measured_here"] else "TF 2.21 fp32 (issue 15)"
-    axis.bar([g + 3 * width for g in range(len(groups))], tf, width, label=label, color="gray")
-    axis.set_xticks([g + 1.5 * width for g in range(len(groups))], [f"{w}, {n} proc" for w, n in groups])
-    axis.set(ylabel="samples/s", title=f"CPU compute fast path (2 cores, load {results['load_average'][0]:.1f})")
+    groups = list(dict.fromkeys(" ".join(key.split()[:2]) for key in table))
+    contenders = list(dict.fromkeys(" ".join(key.split()[2:]) for key in table))
+    fig, axis = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(contenders)
+    for i, contender in enumerate(contenders):
+        axis.bar([g + i * width for g in range(len(groups))], [table[f"{g} {contender}"]["vs_plain"] for g in groups], width, label=contender)
+    axis.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))], [f"{g.split()[0]}, {g.split()[1]} proc" for g in groups])
+    axis.set(ylabel="samples/s over plain eager", title="loom at its defaults against plain eager PyTorch (CPU)")
+    axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -62,7 +62,7 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from bench.workloads import small_cnn
-    from loom.fast import fast_path
+    from loom.fast import allocator, fast_path
 
     torch.set_num_threads(threads)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
@@ -73,7 +73,9 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
         if config == "channels_last":  # the layout alone, without the fast path's edges
             model = model.to(memory_format=torch.channels_last)
         if "fast path" in config:
-            fast_path.apply(model, fast_path.FastPath(channels_last=True, pool_before_relu=True, reuse_memory=True))
+            fast_path.apply(model, fast_path.FastPath(channels_last=True))
+            fast_path.pool_before_relu(model, True)
+            allocator.keep()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         bf16 = config.startswith("bf16")
 

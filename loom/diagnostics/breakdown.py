@@ -47,6 +47,7 @@ class StepRecorder:
         self._hooked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._optimizer_hooked = False
         self.in_train_step = False  # train_step ends its own step (after the scheduler and zero_grad)
+        self.verdict_kind: str | None = None  # the last report's verdict, which holds within noise
         self.reset()
 
     def reset(self) -> None:

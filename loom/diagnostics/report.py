@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from loom.diagnostics.breakdown import PARTS, batch_size_of
-from loom.diagnostics.verdict import COMM_BOUND, JobFacts, RankTimes, Verdict, decide
+from loom.diagnostics.verdict import COMM_BOUND, MIN_GAIN, JobFacts, RankTimes, Verdict, decide
 
 HOST_BYTES = 64
 PROBE_BYTES = 8 * 2**20  # the bandwidth probe all-reduces up to this much (or the gradients' size)
@@ -40,6 +40,7 @@ class BreakdownReport:
     verdict: Verdict
     bandwidth: float | None
     samples_per_sec: float
+    changed: bool = True  # the verdict's kind differs from the previous report's
 
     def table(self, title: str = "step breakdown") -> str:
         steps = min((r.steps for r in self.ranks), default=0)
@@ -63,7 +64,10 @@ class BreakdownReport:
 def report(
     strategy: Any, loader: Any = None, log_dir: str | None = None, step: int | None = None, show: bool = True
 ) -> BreakdownReport:
-    """Gather, decide, and on the chief print (``show``) and write to ``log_dir``; starts a new window."""
+    """Gather, decide, and on the chief print (``show``) and write to ``log_dir``; starts a new window.
+
+    The previous report's verdict holds while its measure stays near its threshold
+    (``loom.diagnostics.verdict.HOLD``): the recorder keeps it from one report to the next."""
     recorder = strategy.step_recorder
     ranks = _gather(strategy, recorder)
     bucket_cap_mb = getattr(strategy, "bucket_cap_mb", None)  # "auto" is already sized from the model
@@ -74,11 +78,15 @@ def report(
         compression=getattr(strategy, "compression", None),
         bucket_cap_mb=bucket_cap_mb if isinstance(bucket_cap_mb, (int, float)) else None,
         input_summary=loader.stats.summary() if getattr(loader, "stats", None) is not None else None,
+        device=strategy.device.type,
     )
     if _comm_matters(ranks):
         facts.bandwidth = bandwidth(strategy, recorder.grad_bytes)
-    verdict = decide(ranks, facts) if strategy.device.type == "cpu" else HOST_TIMED
-    result = BreakdownReport(ranks, verdict, facts.bandwidth, _throughput(ranks))
+        facts.latency = latency(strategy)
+    verdict = decide(ranks, facts, recorder.verdict_kind) if strategy.device.type == "cpu" else HOST_TIMED
+    result = BreakdownReport(ranks, verdict, facts.bandwidth, _throughput(ranks), changed=verdict.kind != recorder.verdict_kind)
+    if verdict.kind != "no steps":
+        recorder.verdict_kind = verdict.kind
     recorder.reset()
     if strategy.is_chief:
         if show:
@@ -89,7 +97,8 @@ def report(
 
 
 def mention_advice(strategy: Any, model: Any, inputs: Any, result: BreakdownReport) -> None:
-    """At the end of a run: the chief says so when ``loom.advise`` recommends another strategy; collective.
+    """At the end of a run: the chief says so when ``loom.advise`` recommends another strategy that
+    its cost model predicts to save ``MIN_GAIN`` of the measured step, the gain beside it; collective.
 
     The facts come from the run: the measured compute per step, the link measured between the
     replicas, and ``inputs`` (the last batch) for the activations and embedding rows.
@@ -100,8 +109,17 @@ def mention_advice(strategy: Any, model: Any, inputs: Any, result: BreakdownRepo
     if strategy.num_replicas_in_sync < 2 or not counted or not batch_size_of(inputs) or result.verdict is HOST_TIMED:
         return
     advice = advise(model, (inputs,), strategy=strategy, compute_seconds=statistics.median(counted))
-    if strategy.is_chief and advice.recommendation != describe(strategy):
-        print(f"advice: {advice.recommendation} rather than {describe(strategy)}. {advice.reasons}", flush=True)
+    current = next((o for o in advice.options if o.strategy == describe(strategy)), None)
+    best = next(o for o in advice.options if o.strategy == advice.recommendation)
+    step = statistics.median(r.total for r in result.ranks if r.steps)
+    # the cost model's own figure for the strategy in use where it has one, else the measured step
+    gain = (current.step_seconds if current is not None else step) - best.step_seconds
+    if strategy.is_chief and best is not current and gain >= MIN_GAIN * step:
+        print(
+            f"advice: {advice.recommendation} rather than {describe(strategy)} (predicted gain {gain * 1e3:.1f} ms, "
+            f"{gain / step:.0%} of the step). {advice.reasons}",
+            flush=True,
+        )
 
 
 def _gather(strategy: Any, recorder: Any) -> list[RankTimes]:
@@ -143,6 +161,18 @@ def bandwidth(strategy: Any, size: int) -> float | None:
         if i:  # the first sets the connection up
             seconds.append(time.perf_counter() - start)
     return tensor.numel() * 4 / statistics.median(seconds)
+
+
+def latency(strategy: Any) -> float:
+    """Seconds of an all-reduce of one float between the replicas (a round trip); collective."""
+    tensor = torch.ones(1, device=strategy.device)
+    seconds = []
+    for i in range(4):
+        start = time.perf_counter()
+        float(strategy.reduce(tensor, "sum")[0])
+        if i:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def write(result: BreakdownReport, log_dir: Path, step: int | None = None) -> None:

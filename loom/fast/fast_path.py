@@ -1,16 +1,10 @@
-"""The CPU/GPU compute fast path, chosen by measuring the model on a batch at ``prepare`` time.
+"""The CPU/GPU compute fast path: exact speed-ups on by default, inexact ones chosen by a trial.
 
-Opt-in, like ``torch.backends.cudnn.benchmark``: the choice depends on timings, so two runs
-on a busy machine may choose differently, and trying ``torch.compile`` costs its compile time.
-Candidates, each kept only if it is faster and numerically equivalent to eager (its outputs and
-gradients on the batch within float tolerance of eager's, in the strategy's precision):
+Exact candidates change no number, so every CPU job gets them without asking (``prepare``
+applies them; ``fast_path=False`` turns them off, ``loom.fast.exact``):
 
-- ``"channels_last"``: convolution weights (and so activations) in NHWC, which oneDNN's
-  convolutions run without reordering; only for models with 2-D convolutions. Its edges are
-  channels_last too: the batch is converted once as it enters the model (a convolution would
-  convert it in its forward and again in its backward), and the gradient of an ``nn.Flatten``'s
-  input is given back channels_last (max-pool's backward takes a contiguous one by a slow path
-  that copies its input and its result);
+- ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step (``loom.fast.allocator``:
+  set by loom's launcher through glibc tunables, or by ``mallopt`` in a process it did not start);
 - ``"pool_before_relu"``: a ReLU followed by a max-pool in an ``nn.Sequential`` runs after it
   instead, on a quarter of the elements (2x2 pools). Max commutes with a non-decreasing function,
   and the gradient reaches the same element (the first largest, or none where the largest is not
@@ -18,36 +12,38 @@ gradients on the batch within float tolerance of eager's, in the strategy's prec
   forward and backward were a sixth of a W2 step. Only the container's class changes, to
   ``PoolBeforeReluSequential`` (its forward): the modules stay where they are (names, indices,
   slices and the state dict are as before), a pair with hooks, even hooks added later, runs in
-  its own order, and ``torch.jit.script`` compiles it as a plain ``nn.Sequential``;
+  its own order, and ``torch.jit.script`` compiles it as a plain ``nn.Sequential``.
+
+Inexact candidates round differently from eager, so they are opt-in (``fast_path=True`` or a
+list, with ``example_input``), timed against eager on that batch and kept only if faster and
+within a tolerance derived from the precision and the model's reduction sizes (``tolerance``):
+
+- ``"channels_last"``: convolution weights (and so activations) in NHWC, which oneDNN's
+  convolutions run without reordering; only for models with 2-D convolutions. Its edges are
+  channels_last too: the batch is converted once as it enters the model (a convolution would
+  convert it in its forward and again in its backward), and the gradient of an ``nn.Flatten``'s
+  input is given back channels_last (max-pool's backward takes a contiguous one by a slow path
+  that copies its input and its result);
 - ``"pool_kernel"``: an ``nn.MaxPool2d`` whose windows tile a channels_last CPU input pools it
   with kernels that store each window's choice in a byte instead of eager's int64 index and write
-  the input gradient in one pass (``loom.fast.window_max_pool``); bit for bit eager's. Its
-  kernels are compiled by ``torch.compile`` on first use (seconds, once per input shape). Only
-  the pool's class changes, to ``WindowMaxPool2d``;
-- ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper;
-- ``"reuse_memory"``: glibc's malloc keeps freed memory for the next step instead of handing it
-  back to the system, so activations of tens of MB do not page-fault afresh every step (on CPU
-  these faults cost a W2 step a third of its time). Process-wide, it combines with either of the
-  others; the process's resident memory then stays at its peak.
+  the input gradient in one pass (``loom.fast.window_max_pool``). Its kernels are compiled by
+  ``torch.compile`` on first use (seconds, once per input shape, for this model alone);
+- ``"compile"``: ``torch.compile`` (inductor), applied around the strategy's wrapper.
 
-Reduced precision is never switched on here: ``precision="bf16-mixed"`` is how to ask for it.
-oneDNN is already PyTorch's CPU path for convolutions (``torch.backends.mkldnn``), so it is not
-a separate candidate. The trial leaves parameters, gradients, buffers (BatchNorm statistics)
-and the random generator as they were; having tried reuse_memory, it leaves glibc's thresholds
-fixed where they would slide to (glibc cannot be given their sliding back). Replicas decide together, on their
-mean timings, so they all run the same program.
+The trial measures each contender as it will run: the exact speed-ups (the allocator is
+process-wide) are applied before anything is timed; each contender runs once untimed (compiling,
+filling the allocator's heap), then ``ROUNDS`` rounds time every contender once each, in an order
+that rotates from round to round, and the median counts. Reduced precision is never switched on
+here: ``precision="bf16-mixed"`` is how to ask for it. The trial leaves parameters, gradients,
+buffers (BatchNorm statistics) and the random generator as they were. Replicas decide together,
+on their mean timings, so they all run the same program.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
-import functools
 import math
-import os
-import resource
 import statistics
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,10 +56,12 @@ from torch import nn
 from loom import compat
 from loom.fast import window_max_pool
 
+EXACT = ("reuse_memory", "pool_before_relu")  # change no number: on by default
+INEXACT = ("channels_last", "pool_kernel", "compile")  # round differently: opt-in, behind a tolerance
 CANDIDATES = ("channels_last", "pool_before_relu", "pool_kernel", "compile", "reuse_memory")
 MIN_GAIN = 1.05  # a candidate must beat eager by this much: less is within the noise of a busy machine
-FAULTS_WORTH = 1_000  # minor page faults a pass (4 MB) that reuse_memory may be kept for without a timed gain
-ROUNDS = 3  # timed forward+backward passes per candidate, interleaved
+ROUNDS = 5  # timed forward+backward passes per contender, after one untimed, in rotating order
+ROUNDINGS = 8  # roundings the tolerance allows for: a few layers' worth
 
 
 @dataclass
@@ -71,137 +69,87 @@ class FastPath:
     """What the trial chose, and the timings behind it (seconds per forward+backward, median)."""
 
     channels_last: bool = False
-    pool_before_relu: bool = False
     pool_kernel: bool = False
     compile: bool = False
-    reuse_memory: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
-    faults: dict[str, float] = field(default_factory=dict)  # minor page faults a forward+backward, median
     rejected: dict[str, str] = field(default_factory=dict)  # candidate -> why it was not kept
+    tolerance: str = ""  # the tolerance and what it was derived from
+    kernels: window_max_pool.Kernels = field(default_factory=window_max_pool.Kernels, repr=False, compare=False)  # pool_kernel's, this model's
 
     @property
     def name(self) -> str:
-        return "+".join(n for n in CANDIDATES if getattr(self, n)) or "eager"
+        return "+".join(n for n in INEXACT if getattr(self, n)) or "eager"
 
     def line(self) -> str:
         eager = self.seconds.get("eager", 0.0)
         timings = ", ".join(f"{n} {s * 1e3:.1f} ms" for n, s in self.seconds.items())
         gain = f", {eager / self.seconds[self.name]:.2f}x eager" if self.name != "eager" else ""
         why = "".join(f"; {n}: {reason}" for n, reason in self.rejected.items())
-        without = _without_reuse(self.name)
-        if self.reuse_memory and _for_faults(self.name, self.seconds, self.faults) and self.seconds[without] / self.seconds[self.name] < MIN_GAIN:
-            why += f"; reuse_memory kept for its page faults ({self.faults[without]:,.0f} a pass without it, {self.faults[self.name]:,.0f} with)"
-        return f"loom: fast path {self.name}{gain} (forward+backward on the example batch: {timings}){why}"
+        within = f", {self.tolerance}" if self.tolerance else ""
+        return f"loom: fast path {self.name}{gain} (forward+backward on the example batch: {timings}{within}){why}"
 
 
-def check_candidates(fast_path: bool | Sequence[str]) -> tuple[str, ...]:
-    """The candidates ``fast_path`` asks for; an unknown one is refused in one line."""
+def check_candidates(fast_path: bool | Sequence[str] | None) -> tuple[str, ...]:
+    """The inexact candidates ``fast_path`` asks the trial for (exact ones are on unless it is
+    False); an unknown one is refused in one line."""
     if fast_path is True:
-        return CANDIDATES
-    if fast_path is False:
+        return INEXACT
+    if fast_path is None or fast_path is False:
         return ()
     if isinstance(fast_path, str) or not all(c in CANDIDATES for c in fast_path):
         raise ValueError(f"fast_path takes True, False or a list of candidates from {', '.join(CANDIDATES)}; got {fast_path!r}")
-    return tuple(fast_path)
+    return tuple(c for c in INEXACT if c in fast_path)
 
 
 PARTS = "each process holds only part of the model, so the trial cannot judge a candidate on the whole"
 
 
-def refuse(strategy: str, fast_path: bool | Sequence[str], why: str = PARTS) -> None:
+def refuse(strategy: str, fast_path: bool | Sequence[str] | None, why: str = PARTS) -> None:
     """For a strategy the trial cannot measure: one whose processes each hold part of the model (each
-    would judge a candidate on its own part, and they could choose different programs), or XLA's."""
+    would judge a candidate on its own part, and they could choose different programs), or XLA's.
+    The exact allocator settings still apply to its processes."""
     if check_candidates(fast_path):
         raise ValueError(
-            f"{strategy} does not take prepare(fast_path=...): {why}; drop fast_path (it is for MirroredStrategy and one device)"
+            f"{strategy} does not take prepare(fast_path=...): {why}; drop fast_path (its trial is for MirroredStrategy "
+            "and one device; the exact speed-ups apply without it)"
         )
 
 
-def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], autocast: Callable[[], Any], low_precision: bool = False) -> FastPath:
-    """Time eager and each applicable candidate on ``example``; keep the fastest equivalent one.
+def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], autocast: Callable[[], Any], dtype: torch.dtype | None = None) -> FastPath:
+    """Time eager and each applicable inexact candidate on ``example``; keep the fastest within tolerance.
 
-    ``autocast()`` is the strategy's precision context (``low_precision`` when it computes in
-    bf16 or fp16: then a candidate may differ from eager by as much as those round). A program
-    of two parts (``reuse_memory`` with another) is kept only if it beats the best single one by
-    ``MIN_GAIN``. The module is left as it was found: apply the choice with ``apply``
-    (before wrapping) and ``torch.compile`` (after).
+    ``autocast()`` is the strategy's precision context (``dtype`` what it computes in, when it
+    is not fp32). A program of two parts (``channels_last+pool_kernel``) is kept only if it
+    beats the best single one by ``MIN_GAIN``. The module is left as it was found: apply the
+    choice with ``apply`` (before wrapping) and ``torch.compile`` (after).
     """
     if not isinstance(example, torch.Tensor):
         raise TypeError(f"prepare(..., example_input=...) takes one batch of inputs as a tensor, not {type(example).__name__}")
     plan = FastPath()
-    programs: dict[str, nn.Module] = {"eager": module}
-    if "channels_last" in candidates:
-        if any(isinstance(m, nn.Conv2d) for m in module.modules()) and example.dim() == 4:
-            programs["channels_last"] = module  # converted in place while timed
-        else:
-            plan.rejected["channels_last"] = "no 2-D convolution"
-    if "pool_before_relu" in candidates:  # tried everywhere, refused where it has nothing to do: hooks may differ by replica
-        programs.update({"+".join(p for p in (name, "pool_before_relu") if p != "eager"): module for name in list(programs)})
-        if not _relu_pools(module):
-            plan.rejected["pool_before_relu"] = "no nn.ReLU followed by an nn.MaxPool2d in an nn.Sequential (without hooks)"
-    if "pool_kernel" in candidates:  # tried everywhere as well; an input it does not suit runs eager's pool
-        programs.update({"+".join(p for p in (name, "pool_kernel") if p != "eager"): module for name in list(programs)})
-        if example.device.type != "cpu":
-            plan.rejected["pool_kernel"] = f"its kernels are for the CPU, the batch is on {example.device.type}"
-        elif not window_max_pool.pools(module):
-            plan.rejected["pool_kernel"] = "no nn.MaxPool2d whose windows tile its input (kernel == stride, no padding or dilation)"
-    if "compile" in candidates:
-        programs["compile"] = torch.compile(module)
-    if "reuse_memory" in candidates:
-        if _reusing:
-            plan.rejected["reuse_memory"] = "this process reuses memory already (an earlier prepare chose it)"
-        elif example.device.type == "cpu":
-            programs.update({"+".join(p for p in (name, "reuse_memory") if p != "eager"): run for name, run in list(programs.items())})
-            programs = {name: programs[name] for name in sorted(programs, key=_order)}
-        else:
-            plan.rejected["reuse_memory"] = f"the activations are in {example.device.type} memory, not the host's"
+    programs = _programs(module, example, candidates, plan)
     tried_names = list(programs)  # the same on every replica: it depends on the model and the request only
     with _untouched(module):
-        if any(_reuses(name) for name in programs) and _memory_refusal():
-            plan.rejected["reuse_memory"] = _memory_refusal()
-        reference = _grads(module, module, example, autocast)
-        times: dict[str, list[float]] = {}
-        faults: dict[str, list[float]] = {}
-        set_here = False
-        try:  # without reuse_memory first, on the allocator as found: once set, glibc's is set for good
-            for reuse in (False, True):
-                group = [name for name in programs if _reuses(name) == reuse and not any(part in plan.rejected for part in name.split("+"))]
-                if reuse and group:
-                    reuse_memory(True)
-                    set_here = True
-                for name in group[1:] if group and group[0] == "eager" else group:
-                    if "+" not in name:  # a pair is made of parts checked on their own; reuse_memory's check fills its heap
-                        with _program(module, name):
-                            problem = _check(module, programs[name], example, autocast, reference, low_precision)
-                        if problem:
-                            plan.rejected[name] = problem
-                group = [name for name in group if not any(part in plan.rejected for part in name.split("+"))]
-                times.update({name: [] for name in group})
-                faults.update({name: [] for name in group})
-                for _ in range(ROUNDS):
-                    for name in group:
-                        with _program(module, name):
-                            before = _minor_faults()
-                            times[name].append(_timed(programs[name], example, autocast))
-                            faults[name].append(_minor_faults() - before)
-        finally:
-            if set_here:
-                reuse_memory(False)
+        reference, reductions = _reference(module, example, autocast)
+        tolerance = tolerance_for(dtype, reductions)
+        plan.tolerance = f"tolerance {tolerance:.1e} ({_dtype_name(dtype)}, longest reduction {reductions:,})"
+        for name in tried_names[1:]:
+            if not any(part in plan.rejected for part in name.split("+")):
+                with _program(module, name, plan.kernels):
+                    problem = _check(module, programs[name], example, autocast, reference, tolerance)
+                if problem:
+                    plan.rejected[name] = problem
+        timed = [name for name in tried_names if name not in plan.rejected and not any(part in plan.rejected for part in name.split("+"))]
+        times = _alternating(module, programs, timed, example, autocast, plan.kernels)
     # Every replica sends a time for every program it tried (inf where its own check refused
     # one), so the all-reduce has one shape everywhere and a refusal anywhere drops it everywhere.
-    tried = {name: statistics.median(times[name]) if name in times else math.inf for name in tried_names}
-    tried.update({f"{name} faults": statistics.median(faults[name]) if name in faults else math.inf for name in tried_names})
-    agreed = _agreed(tried)
+    agreed = _agreed({name: statistics.median(times[name]) if name in times else math.inf for name in tried_names})
     plan.seconds = {name: agreed[name] for name in tried_names if math.isfinite(agreed[name])}
-    plan.faults = {name: agreed[f"{name} faults"] for name in plan.seconds}
     for name in tried_names:
         if name not in plan.seconds and not any(part in plan.rejected for part in name.split("+")):
             plan.rejected[name] = "computes differently on another replica, not kept"
     chosen = "eager"
     for name in sorted(plan.seconds, key=lambda n: (n.count("+"), plan.seconds[n])):
         if plan.seconds[chosen] / plan.seconds[name] >= MIN_GAIN:
-            chosen = name
-        elif _without_reuse(name) == chosen and _for_faults(name, plan.seconds, plan.faults):
             chosen = name
     for part in chosen.split("+"):
         if part != "eager":
@@ -212,48 +160,71 @@ def choose(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], 
     return plan
 
 
-def _without_reuse(name: str) -> str:
-    return "+".join(p for p in name.split("+") if p != "reuse_memory") or "eager"
+def _programs(module: nn.Module, example: torch.Tensor, candidates: Sequence[str], plan: FastPath) -> dict[str, nn.Module]:
+    """The contenders to time, eager first; a candidate with nothing to do here is rejected in ``plan``."""
+    programs: dict[str, nn.Module] = {"eager": module}
+    if "channels_last" in candidates:
+        if any(isinstance(m, nn.Conv2d) for m in module.modules()) and example.dim() == 4:
+            programs["channels_last"] = module  # converted in place while timed
+        else:
+            plan.rejected["channels_last"] = "no 2-D convolution"
+    if "pool_kernel" in candidates:  # tried everywhere: an input it does not suit runs eager's pool
+        programs.update({"+".join(p for p in (name, "pool_kernel") if p != "eager"): module for name in list(programs)})
+        if example.device.type != "cpu":
+            plan.rejected["pool_kernel"] = f"its kernels are for the CPU, the batch is on {example.device.type}"
+        elif not window_max_pool.pools(module):
+            plan.rejected["pool_kernel"] = "no nn.MaxPool2d whose windows tile its input (kernel == stride, no padding or dilation)"
+    if "compile" in candidates:
+        programs["compile"] = torch.compile(module)
+    return programs
 
 
-def _for_faults(name: str, seconds: dict[str, float], faults: dict[str, float]) -> bool:
-    """Whether ``name`` adds reuse_memory to a program that faults thousands of pages a pass, ends
-    nearly all of them, and is not slower beyond the noise: its gain is sure in the faults, less
-    so in a forward+backward's time than in a training step's (a step frees and allocates more)."""
-    without = _without_reuse(name)
-    if not _reuses(name) or without not in seconds or name not in faults:
-        return False
-    cut = faults[without] >= FAULTS_WORTH and faults[name] <= faults[without] / 10
-    return cut and seconds[without] / seconds[name] >= 1 / MIN_GAIN
+def _alternating(
+    module: nn.Module, programs: dict[str, nn.Module], names: list[str], example: torch.Tensor, autocast: Callable[[], Any], kernels: Any
+) -> dict[str, list[float]]:
+    """Seconds of each contender's forward+backward: one untimed pass each (compiles, first-call
+    costs, the heap filled), then ``ROUNDS`` rounds of one pass each, the order rotating, so that
+    a slow spell of the machine or a warming cache falls on every contender alike."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(-1, ROUNDS):
+        shift = max(r, 0) % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:
+            with _program(module, name, kernels):
+                seconds = _timed(programs[name], example, autocast)
+            if r >= 0:
+                times[name].append(seconds)
+    return times
 
 
-def _minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def tolerance_for(dtype: torch.dtype | None, reduction: int) -> float:
+    """How far (relative to the largest value) a program that only rounds differently from eager
+    may land: ``ROUNDINGS`` x (one rounding in the computing dtype + the reassociation of the
+    longest fp32 sum, whose error grows as the square root of its length). For W2 in fp32
+    (a weight gradient summed over 256 x 32 x 32 positions) that is 4.9e-4; in bf16, 6.3e-2."""
+    unit = torch.finfo(dtype or torch.float32).eps
+    return ROUNDINGS * (unit + math.sqrt(max(reduction, 1)) * torch.finfo(torch.float32).eps)
 
 
-def _reuses(name: str) -> bool:
-    return "reuse_memory" in name.split("+")
-
-
-def _order(name: str) -> tuple[int, int]:
-    """Singles before pairs, each in ``CANDIDATES``' order: a pair's parts are judged first."""
-    parts = name.split("+")
-    return len(parts), CANDIDATES.index(parts[0]) if parts[0] in CANDIDATES else -1
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return str(dtype or torch.float32).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16").replace("float16", "fp16")
 
 
 def apply(module: nn.Module, plan: FastPath) -> None:
-    """Convert the parameters in place (the optimizer keeps the same ``Parameter`` objects),
-    reorder ReLUs and max-pools, and set the allocator for the rest of the process when
-    ``reuse_memory`` was chosen."""
+    """Convert the parameters in place (the optimizer keeps the same ``Parameter`` objects) and
+    give the model's tiling max-pools their kernels, as the trial chose."""
     if plan.channels_last:
         module.to(memory_format=torch.channels_last)
         _channels_last_edges(module)
-    if plan.pool_before_relu:
-        _pool_before_relu(_relu_pools(module), True)
     if plan.pool_kernel:
-        window_max_pool.use(window_max_pool.pools(module), True)
-    if plan.reuse_memory:
-        reuse_memory(True)
+        window_max_pool.use(window_max_pool.pools(module), True, plan.kernels)
+
+
+def pool_before_relu(module: nn.Module, on: bool) -> int:
+    """Run every swappable ReLU after the max-pool that follows it (``on``), or in eager's order
+    again; the number of containers changed."""
+    containers = _relu_pools(module) if on else [m for m in module.modules() if type(m) is PoolBeforeReluSequential]
+    _pool_before_relu(containers, on)
+    return len(containers)
 
 
 def _run(module: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> torch.Tensor:
@@ -269,14 +240,40 @@ def _grads(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: C
     return [out.detach()] + [p.grad.clone() if p.grad is not None else torch.zeros(()) for p in module.parameters()]
 
 
-def _check(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any], reference: list[torch.Tensor], low_precision: bool) -> str | None:
+def _reference(module: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> tuple[list[torch.Tensor], int]:
+    """Eager's output and gradients on the batch, and the longest sum they took (``_reductions``)."""
+    lengths: list[int] = []
+    hooks = [m.register_forward_hook(_reductions(lengths)) for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+    try:
+        got = _grads(module, module, example, autocast)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return got, max(lengths + [got[0].numel()])  # the output is summed into the loss
+
+
+def _reductions(lengths: list[int]) -> Callable[..., None]:
+    """A forward hook noting a layer's longest sums: an output element sums the inputs one output
+    channel sees (its weight's numel over the output channels); a weight's gradient sums over
+    every output position (the output's numel over its channels)."""
+
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        weight = getattr(module, "weight", None)
+        if isinstance(out, torch.Tensor) and out.dim() and isinstance(weight, torch.Tensor) and weight.dim():
+            channels = weight.shape[0]
+            lengths.extend([weight.numel() // channels, out.numel() // max(out.shape[1] if out.dim() > 1 else out.shape[0], 1)])
+
+    return hook
+
+
+def _check(module: nn.Module, run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any], reference: list[torch.Tensor], tolerance: float) -> str | None:
     """Why ``run`` is not to be kept, or None: it fails on the batch (a ``view`` of a
     channels_last activation, an op ``torch.compile`` cannot take), or computes differently."""
     try:
         got = _grads(module, run, example, autocast)
     except Exception as error:  # noqa: BLE001 -- any failure of a candidate only refuses it
         return f"fails on the example batch ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}), not kept"
-    return _difference(reference, got, tolerance=2e-2 if low_precision else 1e-4)
+    return _difference(reference, got, tolerance)
 
 
 def _timed(run: nn.Module, example: torch.Tensor, autocast: Callable[[], Any]) -> float:
@@ -298,7 +295,7 @@ def _difference(reference: list[torch.Tensor], got: list[torch.Tensor], toleranc
         scale = max([a.abs().max().item() for a in want if a.numel()] + [1e-12])
         error = max([(a.float() - b.float()).abs().max().item() for a, b in zip(want, have) if a.numel()] + [0.0]) / scale
         if error > tolerance:
-            return f"differs from eager by {error:.1e} (relative) in its {what}, not kept"
+            return f"differs from eager by {error:.1e} (relative) in its {what}, beyond the tolerance {tolerance:.1e}, not kept"
     return None
 
 
@@ -312,19 +309,16 @@ def _agreed(seconds: dict[str, float]) -> dict[str, float]:
 
 
 @contextmanager
-def _program(module: nn.Module, name: str) -> Iterator[None]:
-    """``module`` rewritten as program ``name`` asks (channels_last, pool_before_relu, pool_kernel) while timed."""
+def _program(module: nn.Module, name: str, kernels: window_max_pool.Kernels) -> Iterator[None]:
+    """``module`` rewritten as program ``name`` asks (channels_last, pool_kernel) while timed."""
     parts = name.split("+")
-    containers = _relu_pools(module) if "pool_before_relu" in parts else []
     pools = window_max_pool.pools(module) if "pool_kernel" in parts else []
     with _layout(module, "channels_last" in parts):
-        _pool_before_relu(containers, True)
-        window_max_pool.use(pools, True)
+        window_max_pool.use(pools, True, kernels)
         try:
             yield
         finally:
             window_max_pool.use(pools, False)
-            _pool_before_relu(containers, False)
 
 
 def _relu_pools(module: nn.Module) -> list[nn.Sequential]:
@@ -408,49 +402,6 @@ def _gradient_channels_last(module: nn.Module, args: tuple) -> None:
 
 def _channels_last(grad: torch.Tensor) -> torch.Tensor:
     return grad.contiguous(memory_format=torch.channels_last)
-
-
-# glibc's malloc serves a block above its threshold by mmap and unmaps it at free, and trims
-# the top of its heap beyond another: so each step faults its activations' pages in afresh.
-# The threshold slides up to 32 MiB as such blocks are freed, until a mallopt(3) fixes it.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4
-KEEP = {M_MMAP_MAX: 0, M_TRIM_THRESHOLD: 2**31 - 1}  # no mmap, no trim: freed memory serves the next step
-SLID = {M_MMAP_MAX: 65536, M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20}  # where glibc's thresholds slide to
-_reusing = False  # process-wide, as the allocator is
-
-
-def reuse_memory(on: bool) -> None:
-    """Keep freed memory in the process for the next step (``on``), or not: then glibc's
-    thresholds are fixed where they slide to, as it cannot be given their sliding back."""
-    global _reusing
-    if _memory_refusal():
-        raise RuntimeError(f"reuse_memory cannot be set here: {_memory_refusal()}")
-    for parameter, value in (KEEP if on else SLID).items():
-        _glibc().mallopt(parameter, value)
-    _reusing = on
-
-
-@functools.cache
-def _glibc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.gnu_get_libc_version  # musl has no such function, and other mallopt parameters
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-def _memory_refusal() -> str | None:
-    """Why this process's allocator is not glibc's to set, or None."""
-    if _glibc() is None:
-        return "it sets glibc's malloc, and this process has no glibc"
-    tuned = [k for k in os.environ if k.startswith("MALLOC_")]
-    tuned += [k for k in ("LD_PRELOAD", "GLIBC_TUNABLES") if "malloc" in os.environ.get(k, "")]
-    if tuned:
-        return f"the process sets its allocator already ({', '.join(sorted(tuned))}), which it would override"
-    return None
 
 
 @contextmanager

@@ -16,6 +16,7 @@ bf16 and fp16 values exactly.
 from __future__ import annotations
 
 import copy
+import types
 from typing import Any
 
 import torch
@@ -51,15 +52,34 @@ def _backward(grad: torch.Tensor, which: torch.Tensor, k: int) -> torch.Tensor:
     return out.reshape(n, h * k, w * k, c).to(grad.dtype).permute(0, 3, 1, 2)
 
 
-_compiled: dict[str, Any] = {}
-_shapes: set[tuple] = set()  # (shape, dtype, window) given kernels: one compiled entry each
+class Kernels:
+    """One model's compiled kernels and the input shapes they were made for (inductor, on first
+    use, so importing loom compiles nothing). Each model has its own: dynamo keeps its compiled
+    entries, and counts them against its recompile limit, per function, so kernels shared by
+    every model in the process would let one model's shapes use up another's budget; a model's
+    kernels go with it when its pools are handed back (``use(..., False)``)."""
+
+    def __init__(self) -> None:
+        self.shapes: set[tuple] = set()  # (shape, dtype, window) given kernels: one compiled entry each
+        self._compiled: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> Any:
+        if name not in self._compiled:
+            self._compiled[name] = torch.compile(_own_copy({"forward": _forward, "backward": _backward}[name]), dynamic=False)
+        return self._compiled[name]
+
+    def compiled_for(self, x: torch.Tensor, k: int) -> bool:
+        """Whether this shape has kernels, or may have them made."""
+        key = (tuple(x.shape), x.dtype, k)
+        if key not in self.shapes and len(self.shapes) >= budget():
+            return False
+        self.shapes.add(key)
+        return True
 
 
-def _kernel(name: str) -> Any:
-    """Compiled on first use (inductor), so importing loom compiles nothing."""
-    if name not in _compiled:
-        _compiled[name] = torch.compile({"forward": _forward, "backward": _backward}[name], dynamic=False)
-    return _compiled[name]
+def _own_copy(function: Any) -> Any:
+    """The function over a code object of its own: dynamo's cache and recompile count are the code's."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__, function.__closure__)
 
 
 def budget() -> int:
@@ -68,30 +88,21 @@ def budget() -> int:
     return dynamo_recompile_limit()
 
 
-def _compiled_for(x: torch.Tensor, k: int) -> bool:
-    """Whether this shape has kernels, or may have them made."""
-    key = (tuple(x.shape), x.dtype, k)
-    if key not in _shapes and len(_shapes) >= budget():
-        return False
-    _shapes.add(key)
-    return True
-
-
 class _WindowMaxPool(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, k: int) -> torch.Tensor:
-        out, which = _kernel("forward")(x, k)
+    def forward(ctx: Any, x: torch.Tensor, k: int, kernels: Kernels) -> torch.Tensor:
+        out, which = kernels("forward")(x, k)
         ctx.save_for_backward(which)
-        ctx.k = k
+        ctx.k, ctx.kernels = k, kernels
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (which,) = ctx.saved_tensors
         grad = grad.contiguous(memory_format=torch.channels_last)
         if torch.is_grad_enabled():  # create_graph: the same values through ops autograd can differentiate again
-            return _backward(grad, which, ctx.k), None
-        return _kernel("backward")(grad, which, ctx.k), None
+            return _backward(grad, which, ctx.k), None, None
+        return ctx.kernels("backward")(grad, which, ctx.k), None, None
 
 
 def window(pool: nn.MaxPool2d) -> int | None:
@@ -105,7 +116,7 @@ def window(pool: nn.MaxPool2d) -> int | None:
     return kernel[0]
 
 
-def takes(x: Any, k: int) -> bool:
+def takes(x: Any, k: int, kernels: Kernels) -> bool:
     """Whether this call suits the kernels: training (inference has no indices to spare) on a
     channels_last CPU batch whose sides ``k`` divides (C=1 is both layouts: eager's), outside
     tracing, ``torch.compile`` and ``torch.func`` transforms, which take eager's pool."""
@@ -117,23 +128,27 @@ def takes(x: Any, k: int) -> bool:
         return False
     if x.shape[2] % k or x.shape[3] % k or x.is_contiguous() or not x.is_contiguous(memory_format=torch.channels_last):
         return False
-    return _compiled_for(x, k)
+    return kernels.compiled_for(x, k)
 
 
 class WindowMaxPool2d(nn.MaxPool2d):
     """An ``nn.MaxPool2d`` that pools tiling windows of a channels_last CPU batch with the kernels
-    above; any other input, or a module whose settings changed since, runs eager's."""
+    above (its model's ``Kernels``); any other input, or a module whose settings changed since,
+    runs eager's."""
+
+    kernels: Kernels
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         k = window(self)
-        if k is None or not takes(input, k):
+        if k is None or not takes(input, k, self.kernels):
             return super().forward(input)
-        return _WindowMaxPool.apply(input, k)
+        return _WindowMaxPool.apply(input, k, self.kernels)
 
     def __prepare_scriptable__(self) -> nn.MaxPool2d:
         """What ``torch.jit.script`` compiles: eager's module (the same values)."""
         plain = copy.copy(self)
         swap_class(plain, nn.MaxPool2d)
+        plain.__dict__.pop("kernels", None)
         return plain
 
 
@@ -142,7 +157,13 @@ def pools(module: nn.Module) -> list[nn.MaxPool2d]:
     return [m for m in module.modules() if type(m) in (nn.MaxPool2d, WindowMaxPool2d) and window(m) is not None]
 
 
-def use(layers: list[nn.MaxPool2d], on: bool) -> None:
-    """Give each pool the class that runs the kernels, or take it back."""
+def use(layers: list[nn.MaxPool2d], on: bool, kernels: Kernels | None = None) -> None:
+    """Give each pool of one model the class that runs the kernels, all of them sharing
+    ``kernels`` (new ones by default), or take the class and the kernels back."""
+    kernels = kernels or Kernels()
     for layer in layers:
         swap_class(layer, WindowMaxPool2d if on else nn.MaxPool2d)
+        if on:
+            layer.kernels = kernels
+        else:
+            layer.__dict__.pop("kernels", None)

@@ -26,6 +26,7 @@ from loom.comm.health import resolve_hang_check, resolve_silence_limit
 from loom.comm.process_group import TIMEOUT_ENV, resolve_timeout
 from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
+from loom.fast import allocator
 from loom.launch.agent import reporting_agent, wait_report_interval
 from loom.launch.failures import report
 from loom.strategies.base import LAYOUT_ENV
@@ -139,7 +140,8 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
 
 
 def worker_environment(opts: LaunchOptions) -> dict[str, str]:
-    """Variables every worker inherits: its thread budget and the collective timeout.
+    """Variables every worker inherits: its thread budget, the collective timeout and, on CPU,
+    glibc's tunables that keep freed memory for the next step (exact; ``loom.fast.allocator``).
 
     ``--threads`` is passed as is; otherwise (``auto``) each worker divides the cores itself
     (``devices.apply_thread_budget``), among this host's processes that it can count.
@@ -147,6 +149,8 @@ def worker_environment(opts: LaunchOptions) -> dict[str, str]:
     threads = opts.threads_per_process()
     env = {"OMP_NUM_THREADS": str(threads), THREADS_ENV: str(opts.threads or "auto"),
            HOST_PROCESSES_ENV: str(opts.processes_on_host()), LAYOUT_ENV: opts.layout()}  # fmt: skip
+    if not cuda_count():  # activations in host memory
+        env.update(allocator.launcher_environment(os.environ))
     if opts.timeout is not None:
         env[TIMEOUT_ENV] = str(opts.timeout)
     node = opts.node()
@@ -197,7 +201,9 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
     check_timeouts(opts)
     argv = torchrun_argv(opts, entry)
     wait_report = wait_report_interval()
-    os.environ.update(worker_environment(opts))
+    workers = worker_environment(opts)
+    before = {name: os.environ.get(name) for name in (LAYOUT_ENV, "GLIBC_TUNABLES")}
+    os.environ.update(workers)
     if layout is not None:
         os.environ[LAYOUT_ENV] = layout
     node = opts.node()
@@ -215,6 +221,10 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
         name = signal.Signals(stop.sigval).name
         print(f"loom: stopped by {name}; workers terminated", file=sys.stderr, flush=True)
         return 128 + stop.sigval
-    finally:
-        os.environ.pop(LAYOUT_ENV, None)  # the workers' first line: code after loom.launch() is not one of them
+    finally:  # the workers' first line and allocator: code after loom.launch() is not one of them
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0

@@ -31,7 +31,8 @@ from torch.utils.data import DataLoader, Dataset
 from loom import comm
 from loom.comm import Connection, preemption, resolve_timeout
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
-from loom.fast.fast_path import apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path
+from loom.fast import exact
+from loom.fast.fast_path import PARTS, apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path, refuse as refuse_fast_path
 from loom.strategies import cross_replica
 from loom.strategies.cross_replica import Number
 from loom.strategies.optimizer import StrategyOptimizer, check_owned
@@ -58,6 +59,7 @@ class Strategy(TFNames, ABC):
         self._micro_steps = 0
         self._accumulating: torch.optim.Optimizer | None = None  # the one optimizer an accumulate() cycle steps
         self._optimizers = 0  # prepared: their steps go through the precision
+        self._model_in_parts = False  # each process holds part of the model: the exact fast path is the allocator alone
 
     # ---- topology ---------------------------------------------------------------------------
     @property
@@ -120,16 +122,19 @@ class Strategy(TFNames, ABC):
         model: nn.Module,
         optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
         *,
-        fast_path: bool | Sequence[str] = False,
+        fast_path: bool | Sequence[str] | None = None,
         example_input: torch.Tensor | None = None,
     ) -> Union[nn.Module, tuple[nn.Module, StrategyOptimizer]]:
         """Place and wrap ``model``; wrap ``optimizer`` (or build it from a factory on the placed params).
 
         The module passed in stays usable and holds the trained parameters (``loom.unwrap``
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
-        ``fast_path=True`` times channels_last, pool_before_relu, torch.compile and reuse_memory against eager on
-        ``example_input`` (one batch of this replica's inputs), keeps the fastest that computes
-        the same, and says which in one line (``loom.fast.fast_path``).
+        On CPU the exact speed-ups (``reuse_memory``, ``pool_before_relu``: they change no number)
+        are on, said in one line; ``fast_path=False`` turns them off (``loom.fast.exact``).
+        ``fast_path=True`` (or a list of candidates) also times the inexact ones (channels_last,
+        pool_kernel, torch.compile) against eager on ``example_input`` (one batch of this replica's
+        inputs), keeps the fastest within a stated tolerance, and says which in one line
+        (``loom.fast.fast_path``).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
@@ -142,9 +147,12 @@ class Strategy(TFNames, ABC):
             )
         module = model.to(self.device)
         with self._guard():
+            said = exact.apply(module, fast_path) if self.device.type == "cpu" and not self._model_in_parts else None
+            if said:  # beside the job's first line, on stderr: what loom did, not what the script prints
+                self.print(said, file=sys.stderr)
             plan = None
             if candidates:
-                plan = choose_fast_path(module, example_input.to(self.device), candidates, self.precision.autocast, self.precision.dtype is not None)
+                plan = choose_fast_path(module, example_input.to(self.device), candidates, self.precision.autocast, self.precision.dtype)
                 apply_fast_path(module, plan)
                 self.print(plan.line())
             inner = self._wrap_model(module)
@@ -351,6 +359,15 @@ class Strategy(TFNames, ABC):
         """Wait until every replica gets here."""
         with self._guard():
             comm.barrier()
+
+    def _fast_path_for_parts(self, fast_path: bool | Sequence[str] | None, why: str = PARTS) -> None:
+        """``prepare``'s fast path for a strategy whose processes each hold part of the model (or
+        that compiles the step): the trial is refused in one line, the exact allocator applies."""
+        refuse_fast_path(type(self).__name__, fast_path, why)
+        self._model_in_parts = True
+        said = exact.allocator_only(fast_path) if self.device.type == "cpu" else None
+        if said:
+            self.print(said, file=sys.stderr)
 
     def _guard(self) -> ContextManager[None]:
         return self._connection.guard() if self._connection is not None else nullcontext()

@@ -137,9 +137,10 @@ def fit(
     micro-batches. With ``log_dir`` the chief writes TensorBoard scalars there. Returns the
     history: each epoch's logs (``loss``, metrics, ``val_*``, samples/s), reduced over all
     replicas and counting each real sample once (not the padding of an uneven last batch),
-    which is also what callbacks receive. After each epoch the chief prints where every rank's
-    step time went and a verdict (``loom.diagnostics``; with ``log_dir`` also to TensorBoard and
-    a PNG), and the last one says when ``loom.advise`` recommends another strategy.
+    which is also what callbacks receive. The chief prints where every rank's step time went and
+    a verdict (``loom.diagnostics``) after the first epoch, after each epoch whose verdict changed,
+    and at the end, which also says when ``loom.advise`` recommends another strategy; with
+    ``log_dir`` every epoch's breakdown goes to TensorBoard, JSON and a PNG.
 
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
     ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
@@ -207,8 +208,11 @@ def fit(
             backup.after_epoch(state, train)
         for cb in hooks:
             cb.on_epoch_end(state, logs)
-        breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=progress)
-        if state.stop or epoch == epochs - 1:
+        breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=False)  # always to log_dir
+        last = state.stop or epoch == epochs - 1
+        if progress and (breakdown.changed or last):  # the table when the verdict changes, and at the end
+            strategy.print(breakdown.table())
+        if last:
             if progress:  # when loom.advise recommends another strategy, say so
                 mention_advice(strategy, unwrap(prepared), inputs, breakdown)
             break

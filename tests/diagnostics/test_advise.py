@@ -92,8 +92,11 @@ def test_end_of_run_mentions_a_recommendation_other_than_the_strategy_in_use(cap
     result = BreakdownReport(ranks, Verdict("compute-bound", ""), None, 1000.0)
     mention_advice(_SlowLinkStrategy(), Sparse(), torch.arange(16).reshape(2, 8), result)
     printed = capsys.readouterr().out
-    assert printed.startswith("advice: ParameterServerStrategy rather than _SlowLinkStrategy."), printed
+    assert printed.startswith("advice: ParameterServerStrategy rather than _SlowLinkStrategy (predicted gain "), printed
+    gain = float(printed.split("predicted gain ")[1].split(" ms")[0])
+    assert 0.1 * 20.0 <= gain < 20.0 and "of the step). " in printed, printed  # a tenth of the 20 ms step at least
     assert "measured link of 0.01 Gbit/s" in printed and "compute time of 10.0 ms" in printed
+
 
 
 def test_reasons_name_the_strategy_in_use_when_it_differs():

@@ -9,12 +9,6 @@ import loom
 from loom.fast import fast_path, window_max_pool
 from loom.fast.window_max_pool import WindowMaxPool2d
 
-@pytest.fixture(autouse=True)
-def fresh_budget(monkeypatch):
-    """Each test with the whole budget of compiled shapes: past it the pool is eager's."""
-    monkeypatch.setattr(window_max_pool, "_shapes", set())
-
-
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -55,7 +49,7 @@ def test_outputs_and_gradients_are_eagers_bit_for_bit(dtype, k):
 
 
 def test_inputs_or_settings_it_does_not_suit_run_eagers_pool(monkeypatch):
-    monkeypatch.setattr(window_max_pool, "_kernel", lambda name: pytest.fail("the kernels ran"))
+    monkeypatch.setattr(window_max_pool.Kernels, "__call__", lambda self, name: pytest.fail("the kernels ran"))
     pool = nn.MaxPool2d(2)
     window_max_pool.use([pool], True)
     cl = crafted(torch.float32, 2).requires_grad_()
@@ -84,13 +78,21 @@ def test_a_gradient_penalty_differentiates_through_the_kernels_backward():
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-def test_past_its_budget_of_shapes_a_pool_runs_eagers(monkeypatch):
-    monkeypatch.setattr(window_max_pool, "_shapes", {(i,) for i in range(window_max_pool.budget())})
-    monkeypatch.setattr(window_max_pool, "_kernel", lambda name: pytest.fail("the kernels ran"))
-    pool = nn.MaxPool2d(2)
-    window_max_pool.use([pool], True)
+def test_past_its_budget_of_shapes_a_models_pools_run_eagers_and_another_models_keep_theirs(monkeypatch):
+    full, fresh = nn.Sequential(nn.MaxPool2d(2), nn.MaxPool2d(2)), nn.Sequential(nn.MaxPool2d(2))
+    window_max_pool.use(window_max_pool.pools(full), True)
+    window_max_pool.use(window_max_pool.pools(fresh), True)
+    assert full[0].kernels is full[1].kernels and fresh[0].kernels is not full[0].kernels  # one per model
+    full[0].kernels.shapes.update((i,) for i in range(window_max_pool.budget()))
+    ran = []
+    monkeypatch.setattr(window_max_pool.Kernels, "__call__", lambda self, name: ran.append(self) or pytest.fail("stop"))
     x = crafted(torch.float32, 2).requires_grad_()
-    assert torch.equal(pool(x).nan_to_num(), F.max_pool2d(x, 2).nan_to_num())
+    assert torch.equal(full(x).nan_to_num(), F.max_pool2d(F.max_pool2d(x, 2), 2).nan_to_num()) and ran == []
+    with pytest.raises(pytest.fail.Exception):
+        fresh(x)
+    assert ran == [fresh[0].kernels]  # its own budget: its kernels would be made
+    window_max_pool.use(window_max_pool.pools(full), False)
+    assert type(full[0]) is nn.MaxPool2d and "kernels" not in vars(full[0])  # handed back, and its cache with it
 
 
 def net() -> nn.Module:
@@ -115,7 +117,7 @@ def test_pool_kernel_when_faster_trains_as_channels_last_alone_does(monkeypatch,
         step = strategy.train_step(model, F.cross_entropy, opt)
         for x, y in data:
             step(x, y)
-        trained[len(candidates)] = (raw, capsys.readouterr().out)
+        trained[len(candidates)] = (raw, capsys.readouterr().out.splitlines()[-1])
     (plain, _), (fast, line) = trained[1], trained[2]
     assert line.startswith("loom: fast path channels_last+pool_kernel, 2.00x eager"), line
     assert type(fast[2]) is WindowMaxPool2d and type(plain[2]) is nn.MaxPool2d
@@ -129,6 +131,7 @@ def test_pool_kernel_when_faster_trains_as_channels_last_alone_does(monkeypatch,
 
 def test_pool_before_relu_still_swaps_a_relu_before_the_kernels_pool():
     model = net()
-    fast_path.apply(model, fast_path.FastPath(pool_before_relu=True, pool_kernel=True))
+    fast_path.pool_before_relu(model, True)
+    fast_path.apply(model, fast_path.FastPath(pool_kernel=True))
     assert type(model) is fast_path.PoolBeforeReluSequential and type(model[2]) is WindowMaxPool2d
     assert fast_path._swappable(model[1], model[2])

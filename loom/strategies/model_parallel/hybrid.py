@@ -28,7 +28,6 @@ from torch.utils.checkpoint import checkpoint
 
 from loom.strategies.base import unwrap
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
-from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.model_parallel.mesh import Mesh, MeshSpec, MeshStrategy, broadcast_states
 from loom.strategies.precision import canonical
 from loom.strategies.optimizer import StrategyOptimizer
@@ -113,9 +112,9 @@ class HybridStrategy(MeshStrategy):
         return mesh
 
     # ---- composition, in the documented order -------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] | None = None, example_input: Any = None) -> Any:  # type: ignore[override]
         """Split, parallelise and shard ``model``; build ``optimizer`` on this process's parameters."""
-        refuse_fast_path(type(self).__name__, fast_path)
+        self._fast_path_for_parts(fast_path)
         if self._pipeline is None or not isinstance(model, nn.Module):
             return super().prepare(model, optimizer)
         self._announce()  # the job's first line, before the split's description

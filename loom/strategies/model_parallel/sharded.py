@@ -36,7 +36,6 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
 from loom.strategies.base import Strategy
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
-from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.model_parallel.fsdp_comms import use_fast_reduce_scatter
 from loom.strategies.model_parallel.mesh import broadcast_states
 from loom.strategies.precision import DTYPES, Precision
@@ -324,9 +323,9 @@ class ShardedStrategy(Strategy):
         with torch.device("meta"):
             yield
 
-    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] | None = None, example_input: Any = None) -> Any:  # type: ignore[override]
         """As ``Strategy.prepare``; an optimizer built on the model's parameters before is moved onto their shards."""
-        refuse_fast_path(type(self).__name__, fast_path)
+        self._fast_path_for_parts(fast_path)
         if isinstance(model, nn.Module) and not isinstance(model, FSDPModule):
             if self.sync_batchnorm:  # before sharding: the synced layers keep the very parameters
                 model = convert_sync_batchnorm(model, self._device)

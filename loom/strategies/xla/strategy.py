@@ -19,7 +19,6 @@ from torch.utils.data import DataLoader, Dataset
 from loom.data import DistributedLoader, Pipeline
 from loom.data.sharding import check_global_batch
 from loom.strategies.base import Strategy, unwrap
-from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.precision import canonical
 from loom.strategies.step import LossFn
 from loom.strategies.xla import feed, runtime
@@ -93,9 +92,9 @@ class TPUStrategy(Strategy):
     def mesh(self) -> Any:
         return self.plan.mesh
 
-    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:  # type: ignore[override]
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] | None = None, example_input: Any = None) -> Any:  # type: ignore[override]
         """As ``Strategy.prepare``; the eager fast path does not apply to the compiled step."""
-        refuse_fast_path(type(self).__name__, fast_path, "XLA compiles every step already, and the trial times the eager model")
+        self._fast_path_for_parts(fast_path, "XLA compiles every step already, and the trial times the eager model")
         return super().prepare(model, optimizer)
 
     # ---- the step -----------------------------------------------------------------------------

@@ -32,7 +32,6 @@ from loom.devices import apply_thread_budget, local_device
 from loom.errors import CheckpointMismatchError, LaunchError
 from loom.strategies import cross_replica
 from loom.strategies.base import Strategy, unwrap
-from loom.fast.fast_path import refuse as refuse_fast_path
 from loom.strategies.model_parallel.dtensor_norm import clip_grad_norm
 from loom.strategies.model_parallel.mesh import broadcast_states
 from loom.strategies.optimizer import StrategyOptimizer, check_owned
@@ -139,13 +138,13 @@ class PipelineStrategy(Strategy):
         return self._device
 
     # ---- model and optimizer ----------------------------------------------------------------
-    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] = False, example_input: Any = None) -> Any:
+    def prepare(self, model: nn.Module, optimizer: Any = None, *, fast_path: bool | Sequence[str] | None = None, example_input: Any = None) -> Any:
         """Cut ``model`` into stages, keep this process's, and build the optimizer on its parameters.
 
         The other stages' parameters in ``model`` become meta tensors (not held here). A given
         optimizer loses those parameters; a factory gets only this stage's.
         """
-        refuse_fast_path(type(self).__name__, fast_path)
+        self._fast_path_for_parts(fast_path)
         if not isinstance(model, nn.Module):
             raise TypeError(f"prepare() takes an nn.Module, not {type(model).__name__}")
         self._announce()  # the job's first line, before the split's description
