@@ -24,22 +24,24 @@ from loom.strategies.outputs import call_with_targets, model_loss
 from loom.strategies.step import batch_len, slice_batch
 from loom.train.backup import BackupAndRestore
 from loom.train.callbacks import Callback, FitState, ProgressBar, TensorBoard
-from loom.train.metrics import Metric, resolve_metrics
+from loom.train.metrics import SyncedMetric, is_stateful, resolve_metrics
 
 LossFn = Optional[Callable[[Any, Any], torch.Tensor]]  # None: the model computes its own loss
-Metrics = Union[None, Sequence[Union[str, Metric]], Mapping[str, Metric]]
+Metrics = Union[None, Sequence[Any], Mapping[str, Any]]  # names, functions, torchmetrics.Metric instances
 
 
 class _Totals:
-    """Per-replica sums of [loss * n, each metric] on the device, and the sample count on the host.
+    """Per-replica sums of [loss * n, each per-sample metric] on the device, the sample count on the host,
+    and a ``SyncedMetric`` for each torchmetrics metric.
 
-    Kept apart so a step adds no host-to-device copy; ``reduce`` combines both over the
-    replicas in one all-reduce.
+    Kept apart so a step adds no host-to-device copy; ``reduce`` combines the sums over the
+    replicas in one all-reduce, and each torchmetrics metric syncs its own states.
     """
 
-    def __init__(self, metrics: dict[str, Metric], device: torch.device) -> None:
-        self.metrics = metrics
-        self.names = ["loss", *metrics]
+    def __init__(self, metrics: dict[str, Any], strategy: Strategy, device: torch.device) -> None:
+        self.summed = {name: fn for name, fn in metrics.items() if not is_stateful(fn)}
+        self.synced = {name: SyncedMetric(m, strategy) for name, m in metrics.items() if is_stateful(m)}
+        self.names = ["loss", *self.summed]
         self.sums = torch.zeros(len(self.names), dtype=torch.float64, device=device)
         self.count = 0
 
@@ -47,15 +49,18 @@ class _Totals:
         """Score the first ``n`` samples of a batch whose mean loss is ``loss``."""
         scores = [loss.detach().double() * n]
         outputs, targets = slice_batch(outputs, 0, n), slice_batch(targets, 0, n)
-        scores += [fn(outputs, targets).double().sum() for fn in self.metrics.values()]
+        scores += [fn(outputs, targets).double().sum() for fn in self.summed.values()]
         self.sums += torch.stack(scores)
         self.count += n
+        for metric in self.synced.values():
+            metric.update(outputs, targets)
 
     def reduce(self, strategy: Strategy, prefix: str = "") -> tuple[dict[str, float], int]:
         """Means over every sample of every replica, and how many samples that was."""
         total = strategy.reduce(torch.cat([self.sums, self.sums.new_tensor([self.count])]), "sum")
         count = int(total[-1])
-        return {prefix + name: float(value) / max(count, 1) for name, value in zip(self.names, total[:-1])}, count
+        logs = {prefix + name: float(value) / max(count, 1) for name, value in zip(self.names, total[:-1])}
+        return logs | {prefix + name: metric.compute() for name, metric in self.synced.items()}, count
 
 
 def _in_order(data: Any) -> bool | None:
@@ -82,7 +87,7 @@ def _repeated(loader: DistributedLoader) -> Iterator[tuple[Any, Any, int]]:
 
 @torch.no_grad()
 def _evaluate_loader(
-    model: nn.Module, loss_fn: LossFn, loader: DistributedLoader, metrics: dict[str, Metric],
+    model: nn.Module, loss_fn: LossFn, loader: DistributedLoader, metrics: dict[str, Any],
     state: FitState, hooks: Sequence[Callback] = (), steps: int | None = None, prefix: str = "",
 ) -> dict[str, float]:  # fmt: skip
     """The reduced logs of one pass (the first ``steps`` batches from the start), with the ``on_test_*`` hooks."""
@@ -90,7 +95,7 @@ def _evaluate_loader(
     model.eval()
     for cb in hooks:
         cb.on_test_begin(state)
-    totals = _Totals(metrics, loader.device)
+    totals = _Totals(metrics, state.strategy, loader.device)
     for k, (inputs, targets, n) in enumerate(_batches(loader, steps)):  # padding of an uneven last batch is left out
         for cb in hooks:
             cb.on_test_batch_begin(state, k)
@@ -235,7 +240,7 @@ def fit(
             batches = itertools.islice(stream, steps_per_epoch - state.step % steps_per_epoch)
         for cb in hooks:
             cb.on_epoch_begin(state)
-        totals = _Totals(metrics_, strategy.device)
+        totals = _Totals(metrics_, strategy, strategy.device)
         prepared.train()
         start = time.perf_counter()
         for inputs, targets, n in timed_batches(strategy.step_recorder, batches):

@@ -72,22 +72,67 @@ def test_evaluate_steps_reads_the_first_batches_and_calls_the_test_hooks():
     assert record.test_batches == [0, 1] and record.test_ends == [first]
 
 
-def _predict_on_replicas():
+def regression():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(101, 6, generator=g)
+    return TensorDataset(x, 2 * x[:, 0] - x[:, 1])
+
+
+def linear():
+    torch.manual_seed(1)
+    return nn.Linear(6, 1)
+
+
+def weighted_auroc():
+    import torchmetrics
+
+    return torchmetrics.AUROC(task="multiclass", num_classes=2, average="weighted")
+
+
+def _on_two_replicas():
+    """One job for the assertions on replicas: predict, and torchmetrics metrics over uneven data."""
     strategy = loom.MirroredStrategy()
-    net = model()
     x, _ = data(101, 1).tensors
-    return loom.predict(net, data(101, 1), batch_size=40, strategy=strategy), loom.predict(net, x, batch_size=40, strategy=strategy)
+    predicted = loom.predict(model(), data(101, 1), batch_size=40, strategy=strategy), loom.predict(model(), x, batch_size=40, strategy=strategy)
+    classes = loom.evaluate(model(), F.cross_entropy, data(101, 1), batch_size=40, strategy=strategy,
+                            metrics={"precision": "precision", "recall": "recall", "f1": "f1", "auroc": "auroc", "weighted": weighted_auroc()})  # fmt: skip
+    values = loom.evaluate(linear(), lambda out, y: F.mse_loss(out.squeeze(1), y), regression(), batch_size=40, strategy=strategy, metrics=["mae", "mse"])
+    return predicted, classes, values
 
 
-def test_predict_gives_each_sample_once_in_order_on_two_replicas():
-    """101 samples in global batches of 40: the last batch is split 11 + 10 (and one padded)."""
-    x, _ = data(101, 1).tensors
+def test_on_two_replicas_predict_gives_each_sample_once_in_order_and_torchmetrics_count_each_sample_once():
+    """101 samples in global batches of 40: the last batch is split 11 + 10 (and one padded); one process is the reference."""
+    import torchmetrics
+
+    x, y = data(101, 1).tensors
+    rx, ry = regression().tensors
     with torch.no_grad():
-        expected = model()(x)
-    for from_pairs, from_tensor in run_ranks(_predict_on_replicas, 2, timeout=120):
+        expected, guessed = model()(x), linear()(rx).squeeze(1)
+    reference = {
+        "precision": torchmetrics.Precision(task="multiclass", num_classes=2, average="macro")(expected, y),
+        "recall": torchmetrics.Recall(task="multiclass", num_classes=2, average="macro")(expected, y),
+        "f1": torchmetrics.F1Score(task="multiclass", num_classes=2, average="macro")(expected, y),
+        "auroc": torchmetrics.AUROC(task="multiclass", num_classes=2, average="macro")(expected, y),
+        "weighted": weighted_auroc()(expected, y),
+    }
+    for (from_pairs, from_tensor), classes, values in run_ranks(_on_two_replicas, 2, timeout=150):
         torch.testing.assert_close(from_pairs, expected)
         torch.testing.assert_close(from_tensor, expected)
+        for name, value in reference.items():
+            assert classes[name] == pytest.approx(float(value), abs=1e-6), name
+        assert values["mae"] == pytest.approx(float((guessed - ry).abs().mean()), rel=1e-5)
+        assert values["mse"] == pytest.approx(float(((guessed - ry) ** 2).mean()), rel=1e-5)
     torch.testing.assert_close(loom.predict(model(), x, batch_size=40, strategy=loom.OneDeviceStrategy()), expected)
+
+
+def test_fit_reports_torchmetrics_and_refuses_an_unsynced_one():
+    import torchmetrics
+
+    history = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=2, batch_size=16,
+                       metrics=["f1", torchmetrics.Accuracy(task="multiclass", num_classes=2)], **ONE)  # fmt: skip
+    assert {"f1", "val_f1", "MulticlassAccuracy", "val_MulticlassAccuracy"} <= set(history) and len(history["val_f1"]) == 2
+    with pytest.raises(ValueError, match="loom syncs BinaryAUROC over the replicas: create it without sync_on_compute=False"):
+        loom.fit(model(), F.cross_entropy, sgd, data(64, 0), batch_size=16, metrics=[torchmetrics.AUROC(task="binary", sync_on_compute=False)], **ONE)
 
 
 def test_model_checkpoint_keeps_the_best_epochs(tmp_path):
