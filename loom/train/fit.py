@@ -75,14 +75,17 @@ def _batches(loader: DistributedLoader, steps: int | None = None) -> Iterator[tu
 
 
 def _repeated(loader: DistributedLoader) -> Iterator[tuple[Any, Any, int]]:
-    """The loader's batches pass after pass (each pass reshuffled): ``steps_per_epoch`` epochs cut this stream."""
-    while True:
-        empty = True
+    """The loader's batches pass after pass (each pass reshuffled): ``steps_per_epoch`` epochs cut this stream.
+
+    A pass resumed at its very end is empty; two empty passes in a row mean the data is.
+    """
+    empty_passes = 0
+    while empty_passes < 2:
+        empty_passes += 1
         for batch in _batches(loader):
-            empty = False
+            empty_passes = 0
             yield batch
-        if empty:
-            raise ValueError("the training data has no batches: steps_per_epoch needs data to repeat")
+    raise ValueError("the training data has no batches: steps_per_epoch needs data to repeat")
 
 
 @torch.no_grad()

@@ -52,6 +52,22 @@ def test_steps_per_epoch_cuts_the_repeated_data_into_epochs():
         assert torch.equal(a, b)
 
 
+def test_steps_per_epoch_resumes_in_the_middle_and_at_the_end_of_a_pass(tmp_path):
+    """Epochs of 2 steps over 4 batches a pass: resumed after epoch 1 (mid-pass) and 2 (pass ended), as one run."""
+    def run(epochs, directory):
+        net = model()
+        loom.fit(net, F.cross_entropy, sgd, data(64, 0), epochs=epochs, steps_per_epoch=2, batch_size=16, checkpoint_dir=directory, **ONE)
+        return net
+
+    straight = run(3, tmp_path / "straight")
+    for epochs in (1, 2, 3):
+        resumed = run(epochs, tmp_path / "resumed")
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="the training data has no batches: steps_per_epoch needs data to repeat"):
+        loom.fit(model(), F.cross_entropy, sgd, [], epochs=1, steps_per_epoch=2, batch_size=16, **ONE)
+
+
 def test_validation_steps_freq_initial_epoch_and_test_hooks():
     record = Record()
     history = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=5, initial_epoch=1, batch_size=16,
