@@ -155,13 +155,13 @@ class _Monitor:
     ``mode="auto"`` maximises accuracies, AUC, precision, recall and F1, and minimises the rest.
     """
 
-    MAXIMISED = ("acc", "auc", "precision", "recall", "f1")
+    MAXIMISED = ("acc", "auc", "auroc", "precision", "recall", "f1")
 
     def __init__(self, owner: str, monitor: str, mode: str, min_delta: float = 0.0) -> None:
         if mode not in ("min", "max", "auto"):
             raise ValueError(f"mode must be 'min', 'max' or 'auto', got {mode!r}")
         if mode == "auto":
-            mode = "max" if any(word in monitor for word in self.MAXIMISED) else "min"
+            mode = "max" if any(word in monitor.lower() for word in self.MAXIMISED) else "min"
         self.owner, self.monitor, self.mode, self.min_delta = owner, monitor, mode, abs(min_delta)
         self.best = math.inf if mode == "min" else -math.inf
 

@@ -182,3 +182,12 @@ def test_csv_logger_learning_rate_scheduler_and_reduce_on_plateau(tmp_path):
     with pytest.raises(ValueError, match="LearningRateScheduler sets the learning rate each epoch, and fit's scheduler= each update: pass one of them"):
         loom.fit(model(), no_loss, lambda p: torch.optim.SGD(p, lr=1.0), flat, epochs=1, batch_size=16, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
                  callbacks=[LearningRateScheduler(lambda epoch, lr: lr)], **ONE)  # fmt: skip
+
+
+def test_auto_mode_maximises_scores_and_minimises_errors():
+    from loom.train.callbacks import _Monitor
+
+    modes = {name: _Monitor("ModelCheckpoint", name, "auto").mode for name in ("val_loss", "val_MulticlassAccuracy", "val_auroc", "f1", "mae")}
+    assert modes == {"val_loss": "min", "val_MulticlassAccuracy": "max", "val_auroc": "max", "f1": "max", "mae": "min"}
+    with pytest.raises(ValueError, match="mode must be 'min', 'max' or 'auto', got 'best'"):
+        ModelCheckpoint("unused", mode="best")
