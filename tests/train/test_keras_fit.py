@@ -23,7 +23,9 @@ def sgd(p):
     return torch.optim.SGD(p, lr=0.2, momentum=0.9)
 
 
-ONE = dict(strategy=loom.OneDeviceStrategy(), progress=False)
+def one():
+    """A fresh strategy per call, so no test inherits another's state."""
+    return {"strategy": loom.OneDeviceStrategy(), "progress": False}
 
 
 class Record(Callback):
@@ -45,8 +47,8 @@ class Record(Callback):
 def test_steps_per_epoch_cuts_the_repeated_data_into_epochs():
     """4 epochs of 3 steps over 4 batches a pass train exactly as 3 passes (each reshuffled) do."""
     cut, whole = model(), model()
-    history = loom.fit(cut, F.cross_entropy, sgd, data(64, 0), epochs=4, steps_per_epoch=3, batch_size=16, **ONE)
-    loom.fit(whole, F.cross_entropy, sgd, data(64, 0), epochs=3, batch_size=16, **ONE)
+    history = loom.fit(cut, F.cross_entropy, sgd, data(64, 0), epochs=4, steps_per_epoch=3, batch_size=16, **one())
+    loom.fit(whole, F.cross_entropy, sgd, data(64, 0), epochs=3, batch_size=16, **one())
     assert len(history["loss"]) == 4
     for a, b in zip(cut.parameters(), whole.parameters()):
         assert torch.equal(a, b)
@@ -56,7 +58,7 @@ def test_steps_per_epoch_resumes_in_the_middle_and_at_the_end_of_a_pass(tmp_path
     """Epochs of 2 steps over 4 batches a pass: resumed after epoch 1 (mid-pass) and 2 (pass ended), as one run."""
     def run(epochs, directory):
         net = model()
-        loom.fit(net, F.cross_entropy, sgd, data(64, 0), epochs=epochs, steps_per_epoch=2, batch_size=16, checkpoint_dir=directory, **ONE)
+        loom.fit(net, F.cross_entropy, sgd, data(64, 0), epochs=epochs, steps_per_epoch=2, batch_size=16, checkpoint_dir=directory, **one())
         return net
 
     straight = run(3, tmp_path / "straight")
@@ -65,18 +67,18 @@ def test_steps_per_epoch_resumes_in_the_middle_and_at_the_end_of_a_pass(tmp_path
     for a, b in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="the training data has no batches: steps_per_epoch needs data to repeat"):
-        loom.fit(model(), F.cross_entropy, sgd, [], epochs=1, steps_per_epoch=2, batch_size=16, **ONE)
+        loom.fit(model(), F.cross_entropy, sgd, [], epochs=1, steps_per_epoch=2, batch_size=16, **one())
 
 
 def test_validation_steps_freq_initial_epoch_and_test_hooks():
     record = Record()
     history = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=5, initial_epoch=1, batch_size=16,
-                       validation_freq=2, validation_steps=2, callbacks=[record], **ONE)  # fmt: skip
+                       validation_freq=2, validation_steps=2, callbacks=[record], **one())  # fmt: skip
     assert sorted({epoch for epoch, _ in record.batches}) == [1, 2, 3, 4] and len(record.batches) == 16
     assert len(history["loss"]) == 4 and len(history["val_loss"]) == 2  # epochs 2 and 4 (1-based) validate
     assert record.test_batches == [0, 1, 0, 1]  # two batches each time, from the start
     assert record.test_ends[-1]["val_loss"] == history["val_loss"][-1]
-    listed = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=3, batch_size=16, validation_freq=[1, 3], **ONE)
+    listed = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=3, batch_size=16, validation_freq=[1, 3], **one())
     assert len(listed["val_loss"]) == 2
 
 
@@ -145,16 +147,16 @@ def test_fit_reports_torchmetrics_and_refuses_an_unsynced_one():
     import torchmetrics
 
     history = loom.fit(model(), F.cross_entropy, sgd, data(64, 0), val_data=data(50, 1), epochs=2, batch_size=16,
-                       metrics=["f1", torchmetrics.Accuracy(task="multiclass", num_classes=2)], **ONE)  # fmt: skip
+                       metrics=["f1", torchmetrics.Accuracy(task="multiclass", num_classes=2)], **one())  # fmt: skip
     assert {"f1", "val_f1", "MulticlassAccuracy", "val_MulticlassAccuracy"} <= set(history) and len(history["val_f1"]) == 2
     with pytest.raises(ValueError, match="loom syncs BinaryAUROC over the replicas: create it without sync_on_compute=False"):
-        loom.fit(model(), F.cross_entropy, sgd, data(64, 0), batch_size=16, metrics=[torchmetrics.AUROC(task="binary", sync_on_compute=False)], **ONE)
+        loom.fit(model(), F.cross_entropy, sgd, data(64, 0), batch_size=16, metrics=[torchmetrics.AUROC(task="binary", sync_on_compute=False)], **one())
 
 
 def test_model_checkpoint_keeps_the_best_epochs(tmp_path):
     history = loom.fit(model(), F.cross_entropy, lambda p: torch.optim.SGD(p, lr=2.0), data(64, 0), val_data=data(50, 1), epochs=5, batch_size=16,
                        callbacks=[ModelCheckpoint(tmp_path, monitor="val_accuracy", save_best_only=True, keep=10)],
-                       metrics=["accuracy"], **ONE)  # fmt: skip
+                       metrics=["accuracy"], **one())  # fmt: skip
     scores = history["val_accuracy"]
     best = [e for e, v in enumerate(scores) if v > max(scores[:e], default=-1.0)]
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [f"step-{4 * (e + 1):08d}" for e in best]
@@ -171,17 +173,17 @@ def test_csv_logger_learning_rate_scheduler_and_reduce_on_plateau(tmp_path):
 
     record, path = Record(), tmp_path / "log.csv"
     loom.fit(model(), no_loss, lambda p: torch.optim.SGD(p, lr=1.0), flat, val_data=flat, epochs=6, batch_size=16, validation_freq=[2, 3, 4, 5, 6],
-             callbacks=[ReduceLROnPlateau(factor=0.5, patience=2), CSVLogger(path), record], **ONE)  # fmt: skip
+             callbacks=[ReduceLROnPlateau(factor=0.5, patience=2), CSVLogger(path), record], **one())  # fmt: skip
     assert [lr for _, lr in record.batches] == [1.0, 1.0, 1.0, 1.0, 0.5, 0.5]  # val from epoch 2: best, then 3 and 4 bad
     rows = list(csv.DictReader(path.open()))
     assert [row["epoch"] for row in rows] == ["0", "1", "2", "3", "4", "5"] and rows[0]["val_loss"] == "NA" and rows[1]["val_loss"] == "0.0"
     record = Record()
     loom.fit(model(), no_loss, lambda p: torch.optim.SGD(p, lr=1.0), flat, epochs=3, batch_size=16,
-             callbacks=[LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch), record], **ONE)  # fmt: skip
+             callbacks=[LearningRateScheduler(lambda epoch, lr: 0.1 * 0.5**epoch), record], **one())  # fmt: skip
     assert [lr for _, lr in record.batches] == [0.1, 0.05, 0.025]
     with pytest.raises(ValueError, match="LearningRateScheduler sets the learning rate each epoch, and fit's scheduler= each update: pass one of them"):
         loom.fit(model(), no_loss, lambda p: torch.optim.SGD(p, lr=1.0), flat, epochs=1, batch_size=16, scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1),
-                 callbacks=[LearningRateScheduler(lambda epoch, lr: lr)], **ONE)  # fmt: skip
+                 callbacks=[LearningRateScheduler(lambda epoch, lr: lr)], **one())  # fmt: skip
 
 
 def test_auto_mode_maximises_scores_and_minimises_errors():
