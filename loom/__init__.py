@@ -22,7 +22,7 @@ from loom.strategies import (
     unwrap,
 )
 from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
-from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit
+from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit, predict
 from loom.train.export import export
 
 __version__ = "0.1.0"
@@ -62,6 +62,7 @@ __all__ = [
     "fit",
     "get_strategy",
     "launch",
+    "predict",
     "unwrap",
 ]
 

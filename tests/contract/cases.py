@@ -135,10 +135,13 @@ def reduce_and_gather(make: Make) -> dict[str, Any]:
 
 
 def fit_metrics(make: Make) -> dict[str, Any]:
-    """Losses and accuracy over every replica's samples; 40 validation samples leave an uneven last batch."""
+    """Losses, accuracy and torchmetrics' AUROC and F1 over every replica's samples, and predictions of every
+    sample in order; 40 validation samples leave an uneven last batch."""
+    strategy = make()
     history = loom.fit(mlp(), F.cross_entropy, sgd, data(), val_data=data(40, 9), epochs=2, batch_size=GLOBAL_BATCH,
-                       shuffle=False, metrics=["accuracy"], strategy=make(), progress=False)  # fmt: skip
-    return {k: v for k, v in history.items() if k != "samples_per_sec"}
+                       shuffle=False, metrics=["accuracy", "auroc", "f1"], strategy=strategy, progress=False)  # fmt: skip
+    predicted = loom.predict(mlp(), data(40, 9), batch_size=GLOBAL_BATCH, strategy=strategy)
+    return {k: v for k, v in history.items() if k != "samples_per_sec"} | {"predicted": predicted.flatten().tolist()}
 
 
 def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, Any]:

@@ -224,7 +224,7 @@ def test_fit_and_evaluate_with_a_model_that_returns_a_dict():
 
 
 def test_fit_refuses_a_scheduler_that_needs_a_metric():
-    with pytest.raises(ValueError, match="ReduceLROnPlateau needs a metric: step it yourself from a Callback"):
+    with pytest.raises(ValueError, match=r"ReduceLROnPlateau needs a metric: pass callbacks=\[loom.train.ReduceLROnPlateau"):
         loom.fit(_linear(0), F.mse_loss, lambda p: torch.optim.SGD(p, lr=0.1), torch.utils.data.TensorDataset(torch.ones(4, 4), torch.ones(4, 1)),
                  batch_size=2, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau, strategy=loom.OneDeviceStrategy(), progress=False)  # fmt: skip
 

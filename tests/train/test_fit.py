@@ -54,8 +54,8 @@ def test_early_stopping_and_custom_callbacks():
 
 
 def test_unknown_metric():
-    with pytest.raises(ValueError, match="unknown metric 'f1'; use one of accuracy or pass a function"):
-        loom.fit(model(), F.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), data(8, 0), batch_size=8, metrics=["f1"],
+    with pytest.raises(ValueError, match="unknown metric 'f2'; use one of accuracy, precision, recall, f1, auroc, mae, mse, a function or a torchmetrics.Metric"):
+        loom.fit(model(), F.cross_entropy, lambda p: torch.optim.SGD(p, lr=0.1), data(8, 0), batch_size=8, metrics=["f2"],
                  strategy=loom.OneDeviceStrategy())  # fmt: skip
 
 
