@@ -52,19 +52,19 @@ def test_oversubscribed_threads_left_as_they_are_are_named_once(monkeypatch, thr
     assert torch.get_num_threads() == 2
 
 
-def _mirrored_threads():
-    del os.environ[THREADS_ENV]  # a process started by plain torchrun
+def _mirrored_threads(asked: str | None) -> tuple[int, int | None]:
+    """One strategy in a process started by plain torchrun (``asked`` None) or by ``loom run --threads``."""
+    os.environ.pop(THREADS_ENV)
+    if asked is not None:
+        os.environ[THREADS_ENV] = asked
     torch.set_num_threads(1)
-    left = loom.MirroredStrategy()
-    seen = (torch.get_num_threads(), left.threads)
-    left.shutdown()
-    os.environ[THREADS_ENV] = "2"  # started by loom run --threads 2, or asked by the user
-    asked = loom.MirroredStrategy()
-    return seen, (torch.get_num_threads(), asked.threads)
+    strategy = loom.MirroredStrategy()
+    return torch.get_num_threads(), strategy.threads
 
 
 def test_a_strategy_leaves_the_thread_count_of_a_process_loom_does_not_own():
-    [(left, asked)] = run_ranks(_mirrored_threads, 1, timeout=120)
+    [left] = run_ranks(_mirrored_threads, 1, None, timeout=120)
+    [asked] = run_ranks(_mirrored_threads, 1, "2", timeout=120)
     assert left == (1, None) and asked == (2, 2)
 
 

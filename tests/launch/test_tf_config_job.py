@@ -39,7 +39,7 @@ def test_tf_config_workers_wait_visibly_for_each_other_and_share_the_host(tmp_pa
     assert waiting.startswith("loom: node 0 has waited ") and waiting.endswith(
         f"s for node 1 (127.0.0.1) to join at 127.0.0.1:{ports[0]}\n"
     ), waiting
-    assert waited < 10
+    assert waited < 25  # the 1 s report interval, not the default 30 s (a loaded machine takes seconds to start loom run)
     assert code0 == 0 and code1 == 0, err0 + err1
     assert "loom: node 0: all 2 nodes joined after " in err0
     assert "replicas = " not in err1  # said once, by the chief
