@@ -1,24 +1,19 @@
 """Damage and attacks on a saved checkpoint, as a disk or a person with write access would do them."""
 
-import hashlib
 import json
 import os
 import pickle
 from pathlib import Path
 
 import xxhash
-
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 
-HASHES = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
-
-def block_digests(file: Path, algorithm: str = "xxh3_128") -> list[str]:
-    """The digest of each 16 MiB of ``file``, as COMMITTED records them."""
+def block_digests(file: Path) -> list[str]:
+    """The XXH3-128 of each 16 MiB of ``file``, as COMMITTED records them."""
     data = file.read_bytes()
-    return [HASHES[algorithm](data[i : i + 2**24]).hexdigest() for i in range(0, max(len(data), 1), 2**24)]
+    return [xxhash.xxh3_128(data[i : i + 2**24]).hexdigest() for i in range(0, max(len(data), 1), 2**24)]
 
 
 def recommit(path: Path) -> None:
