@@ -157,7 +157,7 @@ def verification_cost(megabytes: float, repeats: int, work: Path) -> dict[str, A
 def print_verification(v: dict[str, Any]) -> None:
     for name, row in v.items():
         if isinstance(row, dict):
-            print(f"  {name:<44} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s  {row['cpu_seconds']:6.2f} s CPU")
+            print(f"  {name:<48} {row['seconds']:6.2f} s  {row['MB_per_s']:7.0f} MB/s  {row['cpu_seconds']:6.2f} s CPU")
     print(f"  restore with digests checked: {v['restore_checked_vs_sizes_only']:.2f}x the time of sizes only "
           f"({v['restore_cpu_checked_vs_sizes_only']:.2f}x the CPU); hashing is {v['hashing_share_of_save']:.0%} of a durable save "
           f"({v['files']} files, {v['cores']} cores, load average {v['load_average']:.1f})")  # fmt: skip

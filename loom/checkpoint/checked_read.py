@@ -11,14 +11,13 @@ is being read ends this one with SIGBUS.)
 
 from __future__ import annotations
 
-import hashlib
 import io
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable
 
-from loom.checkpoint.layout import BLOCK, DIGEST, Manifest, damage, hash_threads
+from loom.checkpoint.layout import BLOCK, HASHES, Manifest, damage, hash_threads
 from loom.errors import CheckpointError
 
 
@@ -38,7 +37,7 @@ class CheckedBlocks:
     def wait(self, name: str, index: int) -> None:
         """Return once a block of ``name`` matches its digest; raise naming the file otherwise."""
         if not self._intact[name, index].result():
-            self.damaged = self.damaged or CheckpointError(damage(self._listed.path / name))
+            self.damaged = self.damaged or CheckpointError(damage(self._listed.path / name, self._listed.algorithm))
             raise self.damaged
 
     def view(self, entry: Any, read: io.IOBase) -> CheckedView:
@@ -57,10 +56,10 @@ class CheckedBlocks:
         return self._maps[name]
 
     def _check(self, data: memoryview, name: str, index: int) -> bool:
-        """Whether a block matches its digest (hashlib releases the GIL while it hashes)."""
+        """Whether a block matches its digest (the hash releases the GIL while it hashes)."""
         block = data[index * BLOCK : (index + 1) * BLOCK]
         return len(block) == min(BLOCK, self._listed.sizes[name] - index * BLOCK) and (
-            hashlib.new(DIGEST, block).hexdigest() == self._listed.digests[name][index]
+            HASHES[self._listed.algorithm](block).hexdigest() == self._listed.digests[name][index]
         )
 
 

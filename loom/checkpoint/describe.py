@@ -35,7 +35,7 @@ def check(path: Path) -> str:
     read_index(path, listed)
     if listed.digests is None:
         return f"sizes intact, contents unchecked: saved before loom recorded digests ({len(listed.sizes)} files)"
-    return f"intact ({len(listed.sizes)} files, {sum(listed.sizes.values()):,} bytes, {layout.DIGEST} checked)"
+    return f"intact ({len(listed.sizes)} files, {sum(listed.sizes.values()):,} bytes, {listed.algorithm} checked)"
 
 
 def verify(path: str | Path) -> list[tuple[Path, bool, str]]:

@@ -1,25 +1,25 @@
 """Damage and attacks on a saved checkpoint, as a disk or a person with write access would do them."""
 
-import hashlib
 import json
 import os
 import pickle
 from pathlib import Path
 
+import xxhash
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 
 def block_digests(file: Path) -> list[str]:
-    """The SHA-256 of each 16 MiB of ``file``, as COMMITTED records them."""
+    """The XXH3-128 of each 16 MiB of ``file``, as COMMITTED records them."""
     data = file.read_bytes()
-    return [hashlib.sha256(data[i : i + 2**24]).hexdigest() for i in range(0, max(len(data), 1), 2**24)]
+    return [xxhash.xxh3_128(data[i : i + 2**24]).hexdigest() for i in range(0, max(len(data), 1), 2**24)]
 
 
 def recommit(path: Path) -> None:
     """Rewrite COMMITTED to match the files as they are now: an attacker controls every file, the marker included."""
     files = sorted(p for p in path.iterdir() if p.is_file() and p.name != "COMMITTED")
-    listing = {"files": {p.name: p.stat().st_size for p in files}, "sha256": {p.name: block_digests(p) for p in files}}
+    listing = {"files": {p.name: p.stat().st_size for p in files}, "digest": "xxh3_128", "blocks": {p.name: block_digests(p) for p in files}}
     (path / "COMMITTED").write_text(json.dumps(listing))
 
 

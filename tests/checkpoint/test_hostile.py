@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import loom
-from loom.checkpoint import committed
+from loom.checkpoint import committed, layout
 from loom.checkpoint.describe import describe, model_weights
 from loom.errors import CheckpointError
 from loom.launch.cli import main as cli
@@ -51,6 +51,7 @@ def test_a_bytes_entry_in_the_index_runs_nothing_and_is_refused_naming_file_and_
         describe(path)  # loom checkpoint inspect
     with pytest.raises(CheckpointError, match=refused):
         model_weights(path)  # loom checkpoint export
+    capsys.readouterr()  # what training said (the fast path's line)
     assert cli(["checkpoint", "verify", str(path)]) == 1
     assert capsys.readouterr().err.splitlines() == [f"{path}/.metadata: 'model.0.weight' is a BytesStorageMetadata, "
                                                     "not the TensorStorageMetadata loom writes for a tensor: refusing to read this checkpoint"]  # fmt: skip
@@ -86,24 +87,25 @@ def test_a_file_the_marker_does_not_list_is_never_read(tmp_path):
     strategy, model, _ = _trained()
     path = strategy.save(tmp_path, step=1, model=model)
     listing = json.loads((path / "COMMITTED").read_text())
-    for part in ("files", "sha256"):
+    for part in ("files", "blocks"):
         del listing[part][".metadata"]
     (path / "COMMITTED").write_text(json.dumps(listing))
     with pytest.raises(CheckpointError, match=rf"^{path}/\.metadata: not listed in COMMITTED: this is not a complete checkpoint"):
         strategy.restore(tmp_path, model=model)
 
 
-def test_the_commit_records_the_sha256_of_each_16_mib_of_every_file(tmp_path):
+def test_the_commit_records_the_xxh3_128_of_each_16_mib_of_every_file(tmp_path):
     strategy, model, opt = _trained()
     path = strategy.save(tmp_path, step=1, model=model, optimizer=opt, big=torch.arange(2**23, dtype=torch.float32))  # 32 MiB
     listing = json.loads((path / "COMMITTED").read_text())
     files = sorted(p.name for p in path.iterdir() if p.name != "COMMITTED")
-    assert sorted(listing["files"]) == sorted(listing["sha256"]) == files
-    assert all(listing["sha256"][n] == tamper.block_digests(path / n) for n in files)
-    assert max(len(d) for d in listing["sha256"].values()) == 3  # 32 MiB and the zip's few bytes more
+    assert listing["digest"] == "xxh3_128"
+    assert sorted(listing["files"]) == sorted(listing["blocks"]) == files
+    assert all(listing["blocks"][n] == tamper.block_digests(path / n) for n in files)
+    assert max(len(d) for d in listing["blocks"].values()) == 3  # 32 MiB and the zip's few bytes more
     damaged = _largest_tensor_file(path)
     tamper.flip(damaged)  # in its second block
-    with pytest.raises(CheckpointError, match=rf"^{damaged}: damaged: its content differs from the sha256"):
+    with pytest.raises(CheckpointError, match=rf"^{damaged}: damaged: its content differs from the xxh3_128"):
         strategy.restore(tmp_path, model=model, optimizer=opt, big=torch.zeros(2**23))
 
 
@@ -122,7 +124,7 @@ def test_a_damaged_block_is_refused_before_dcp_reads_a_byte_of_it(tmp_path, at):
     before = _values(fresh_model) + [fresh_big.clone()]
     with pytest.raises(CheckpointError) as raised:
         fresh.restore(tmp_path, model=fresh_model, optimizer=fresh_opt, big=fresh_big)
-    assert str(raised.value).startswith(f"{damaged}: damaged: its content differs from the sha256 recorded when it was saved; ")
+    assert str(raised.value).startswith(f"{damaged}: damaged: its content differs from the xxh3_128 recorded when it was saved; ")
     for now, old, good in zip(_values(fresh_model) + [fresh_big], before, saved):
         assert torch.equal(now, old) or torch.equal(now, good)
 
@@ -135,7 +137,7 @@ def test_flipped_bytes_are_named_and_no_damaged_value_reaches_the_model(tmp_path
     tamper.flip(damaged)
     fresh, fresh_model, fresh_opt = _trained(seed=5)
     before = _values(fresh_model)
-    with pytest.raises(CheckpointError, match=rf"^{damaged}: damaged: its content differs from the sha256 recorded when it was saved; restore\(\.\.\., fallback=True\)"):
+    with pytest.raises(CheckpointError, match=rf"^{damaged}: damaged: its content differs from the xxh3_128 recorded when it was saved; restore\(\.\.\., fallback=True\)"):
         fresh.restore(tmp_path, model=fresh_model, optimizer=fresh_opt)
     for now, old, good in zip(_values(fresh_model), before, saved):  # each as it was, or as saved: never damaged
         assert torch.equal(now, old) or torch.equal(now, good)
@@ -151,7 +153,7 @@ def test_fallback_passes_a_damaged_newest_checkpoint_and_says_which_and_why(tmp_
     damaged = _largest_tensor_file(newest)
     tamper.flip(damaged)
     fresh, fresh_model, fresh_opt = _trained(seed=5)
-    with pytest.warns(UserWarning, match=rf"loom: skipping a damaged checkpoint: {damaged}: damaged: its content differs from the sha256"):
+    with pytest.warns(UserWarning, match=rf"loom: skipping a damaged checkpoint: {damaged}: damaged: its content differs from the xxh3_128"):
         assert fresh.restore(tmp_path, model=fresh_model, optimizer=fresh_opt, fallback=True)["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(_values(fresh_model), first))
 
@@ -199,7 +201,7 @@ def test_verify_names_each_damaged_checkpoint_and_exits_nonzero(tmp_path, capsys
     assert cli(["checkpoint", "verify", str(tmp_path)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(": ")[0] for line in out] == [str(p) for p in committed(tmp_path)]
-    assert all(": intact (" in line and "sha256 checked)" in line for line in out)
+    assert all(": intact (" in line and "xxh3_128 checked)" in line for line in out)
 
     flipped = _largest_tensor_file(tmp_path / "step-00000001")
     tamper.flip(flipped)
@@ -208,7 +210,7 @@ def test_verify_names_each_damaged_checkpoint_and_exits_nonzero(tmp_path, capsys
     assert cli(["checkpoint", "verify", str(tmp_path)]) == 1
     captured = capsys.readouterr()
     assert captured.err.splitlines() == [
-        f"{flipped}: damaged: its content differs from the sha256 recorded when it was saved",
+        f"{flipped}: damaged: its content differs from the xxh3_128 recorded when it was saved",
         f"{truncated}: truncated or altered ({truncated.stat().st_size} bytes, {truncated.stat().st_size + 5} when saved)",
     ]
     assert captured.out.startswith(f"{tmp_path / 'step-00000002'}: intact (")
@@ -227,12 +229,68 @@ def test_a_checkpoint_saved_before_digests_still_restores_and_verify_says_so(tmp
     assert "sizes intact, contents unchecked: saved before loom recorded digests" in capsys.readouterr().out
 
 
+def _recorded_as(path, algorithm):
+    """Rewrite ``path``'s COMMITTED as loom records ``algorithm``: SHA-256 under its own key, as loom first wrote it."""
+    sizes = json.loads((path / "COMMITTED").read_text())["files"]
+    blocks = dict(zip(sizes, layout.digests(path, sizes, algorithm=algorithm)))
+    listing = {"files": sizes, "sha256": blocks} if algorithm == "sha256" else {"files": sizes, "digest": algorithm, "blocks": blocks}
+    (path / "COMMITTED").write_text(json.dumps(listing))
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "xxh3_128"])
+def test_a_checkpoint_is_checked_with_the_algorithm_it_records_and_damage_is_refused(tmp_path, capsys, algorithm):
+    """SHA-256 checkpoints, saved before loom recorded the algorithm, still verify and restore."""
+    strategy, model, opt = _trained()
+    intact, damaged = (strategy.save(tmp_path / name, step=1, model=model, optimizer=opt) for name in ("intact", "damaged"))
+    for path in (intact, damaged):
+        _recorded_as(path, algorithm)
+    fresh, fresh_model, fresh_opt = _trained(seed=5)
+    assert fresh.restore(intact, model=fresh_model, optimizer=fresh_opt)["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(_values(fresh_model), _values(model)))
+    assert cli(["checkpoint", "verify", str(intact)]) == 0
+    assert f"{algorithm} checked)" in capsys.readouterr().out
+
+    flipped = _largest_tensor_file(damaged)
+    tamper.flip(flipped)
+    with pytest.raises(CheckpointError, match=rf"^{flipped}: damaged: its content differs from the {algorithm} recorded when it was saved"):
+        fresh.restore(damaged, model=fresh_model, optimizer=fresh_opt)
+    assert cli(["checkpoint", "verify", str(damaged)]) == 1
+    assert capsys.readouterr().err.splitlines() == [f"{flipped}: damaged: its content differs from the {algorithm} recorded when it was saved"]
+
+
+def test_digests_of_an_unknown_algorithm_are_refused_in_one_line(tmp_path, capsys):
+    strategy, model, _ = _trained()
+    path = strategy.save(tmp_path, step=1, model=model)
+    listing = json.loads((path / "COMMITTED").read_text())
+    (path / "COMMITTED").write_text(json.dumps({**listing, "digest": "blake9"}))
+    refused = (
+        f"{path / 'COMMITTED'}: its digests use 'blake9', which this loom does not know (xxh3_128, sha256); "
+        "verify or restore it with the loom that saved it"
+    )
+    with pytest.raises(CheckpointError) as raised:
+        strategy.restore(tmp_path, model=model)
+    assert str(raised.value).startswith(refused + "; ") and "\n" not in str(raised.value)
+    assert cli(["checkpoint", "verify", str(path)]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == refused
+
+
 def test_every_replica_refuses_a_damaged_checkpoint_in_the_same_line_and_falls_back_together(tmp_path):
     run = loom_run(["run", "--nproc", "2", str(Path(__file__).parent / "damaged_job.py"), str(tmp_path)])
     assert run.returncode == 0, run.stderr[-3000:]
-    refused = re.findall(r"replica (\d): refused: (\S+): damaged: its content differs from the sha256", run.stdout)  # lines may interleave
+    refused = re.findall(r"replica (\d): refused: (\S+): damaged: its content differs from the xxh3_128", run.stdout)  # lines may interleave
     assert sorted(r for r, _ in refused) == ["0", "1"] and refused[0][1] == refused[1][1], run.stdout
     assert re.fullmatch(rf"{tmp_path}/step-00000002/__\d_\d\.distcp", refused[0][1])
     fell_back = re.findall(r"replica (\d): fell back to step (\d+), weights (equal|differ)", run.stdout)
     assert sorted(fell_back) == [("0", "1", "equal"), ("1", "1", "equal")], run.stdout
     assert "skipping a damaged checkpoint" in run.stderr
+
+
+def test_a_policy_that_asks_for_sha256_gets_it_and_a_name_loom_lacks_is_one_line(tmp_path, monkeypatch):
+    strategy, model, opt = _trained()
+    monkeypatch.setenv("LOOM_CHECKPOINT_DIGEST", "sha256")
+    path = strategy.save(tmp_path / "sha", step=1, model=model, optimizer=opt)
+    assert json.loads((path / "COMMITTED").read_text())["digest"] == "sha256"
+    assert strategy.restore(path, model=model, optimizer=opt)["step"] == 1
+    monkeypatch.setenv("LOOM_CHECKPOINT_DIGEST", "md5")
+    with pytest.raises(CheckpointError, match=r"^LOOM_CHECKPOINT_DIGEST='md5' is not a digest loom knows: use one of xxh3_128, sha256$"):
+        strategy.save(tmp_path / "md5", step=1, model=model, optimizer=opt)
