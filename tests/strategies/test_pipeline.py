@@ -450,6 +450,7 @@ def test_hybrid_hands_tensor_parallelism_the_uncompiled_model(monkeypatch):
     given = []
     monkeypatch.setattr("loom.strategies.model_parallel.hybrid.broadcast_states", lambda model, device: None)
     hybrid._announce = lambda: None
+    hybrid._fast_path_for_parts = lambda fast_path: None  # the exact defaults print on the chief, which this stub has not
     hybrid._device = torch.device("cpu")
     hybrid._pipeline = SimpleNamespace(prepare=lambda model: SimpleNamespace(runner=SimpleNamespace(modules={})))
     hybrid._parallelize = lambda model, units: given.append(model)
