@@ -6,7 +6,8 @@ through ``train_step`` with a StepLR schedule (chainable: each learning rate is 
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
-its pid); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
+its pid); its next life joins only once group 0 committed batch B without it (else a quick
+restart, within the lighthouse's heartbeat timeout, would heal in that very step); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
 join, so that it rejoins while there is training left. ``LATE=G``: group G's first life starts
 only once group 0 waits for it to start the job (its ``waiting`` event), or else has trained up to
 HOLD_AT without it; then group 0 is stopped (SIGSTOP, as a busy machine may hold a process) until
@@ -92,12 +93,15 @@ def _refusal(call) -> str:
 
 def main(out: Path) -> None:
     hold_at = int(os.environ.get("HOLD_AT", -1))
-    late = os.environ.get("LATE") == os.environ["REPLICA_GROUP_ID"] and not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    late = os.environ.get("LATE") == os.environ["REPLICA_GROUP_ID"] and not restart
     stopped = _start_late(out, hold_at) if late else None
+    if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
+        while not any(e["event"] == "commit" and e["batch"] == die_batch for e in _events(0)):
+            time.sleep(0.05)
     strategy = loom.auto_strategy()
     group, rank = strategy.group, strategy.cluster.rank
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
     if os.environ.get("CHECK_REFUSALS"):
         refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
     model, opt = strategy.prepare(make_model(group + 1), optimizer)  # groups start unequal: the start-up sync makes them equal
