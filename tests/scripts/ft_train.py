@@ -6,12 +6,17 @@ through ``train_step`` with a StepLR schedule (chainable: each learning rate is 
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
-its pid); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
-join, so that it rejoins while there is training left.
+its pid); its next life joins only once group 0 committed batch B without it (else a quick
+restart, within the lighthouse's heartbeat timeout, would heal in that very step); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
+join, so that it rejoins while there is training left. ``LATE=G``: group G's first life starts
+only once group 0 waits for it to start the job (its ``waiting`` event), or else has trained up to
+HOLD_AT without it; then group 0 is stopped (SIGSTOP, as a busy machine may hold a process) until
+group G stops to be killed, so that its heartbeat lapses and group G's quorums lack it.
 """
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -57,11 +62,25 @@ def schedule_state(opt, sched) -> dict:
     return {"lr": [group["lr"] for group in opt.param_groups], "last_epoch": sched.last_epoch}
 
 
+def _events(group: int) -> list[dict]:
+    path = Path(os.environ["LOOM_FT_EVENTS"]) / f"group-{group}.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(l) for l in text[: text.rfind("\n") + 1].splitlines()]  # a line being written is read next time
+
+
 def _rejoining(group: int) -> bool:
-    folder = Path(os.environ["LOOM_FT_EVENTS"])
-    path = folder / f"group-{group}.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return any(json.loads(l)["event"] == "joining" and json.loads(l)["restart"] > 0 for l in lines)
+    return any(e["event"] == "joining" and e["restart"] > 0 for e in _events(group))
+
+
+def _start_late(out: Path, hold_at: int) -> int | None:
+    """Wait until group 0 waits for this group, or trained up to HOLD_AT without it; in that case stop it: its pid."""
+    while not any(e["event"] == "waiting" for e in _events(0)):
+        if any(e["event"] == "commit" and e["batch"] == hold_at for e in _events(0)):
+            survivor = next(s["pid"] for s in map(json.loads, (out / "steps.jsonl").read_text().splitlines()) if s["g"] == 0)
+            os.kill(survivor, signal.SIGSTOP)
+            return survivor
+        time.sleep(0.05)
+    return None
 
 
 def _refusal(call) -> str:
@@ -73,11 +92,16 @@ def _refusal(call) -> str:
 
 
 def main(out: Path) -> None:
+    hold_at = int(os.environ.get("HOLD_AT", -1))
+    die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    late = os.environ.get("LATE") == os.environ["REPLICA_GROUP_ID"] and not restart
+    stopped = _start_late(out, hold_at) if late else None
+    if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
+        while not any(e["event"] == "commit" and e["batch"] == die_batch for e in _events(0)):
+            time.sleep(0.05)
     strategy = loom.auto_strategy()
     group, rank = strategy.group, strategy.cluster.rank
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
-    hold_at = int(os.environ.get("HOLD_AT", -1))
     if os.environ.get("CHECK_REFUSALS"):
         refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
     model, opt = strategy.prepare(make_model(group + 1), optimizer)  # groups start unequal: the start-up sync makes them equal
@@ -93,6 +117,8 @@ def main(out: Path) -> None:
             for x, y, ids in loader:
                 m = strategy.membership
                 if (group, m.batch, restart) == (die_group, die_batch, 0):
+                    if stopped is not None:
+                        os.kill(stopped, signal.SIGCONT)
                     (out / "dying").write_text(str(os.getpid()))
                     while True:  # killed here, mid-step: after its forward pass would run, before the sync
                         time.sleep(0.05)

@@ -6,6 +6,8 @@ step: the step is not applied and is trained again by group 0 alone, group 0 is 
 restarted, group 1 comes back, heals from group 0 (no checkpoint exists) and ends bit-identical
 to it, its StepLR schedule included; every sample of every epoch is trained exactly once, and the
 weights and learning rate still equal OneDevice's (the schedule steps only on applied steps).
+Group 1 starts late (``LATE``): the job's start waits for it, and if group 0 had started without
+it, group 0 would be stopped until group 1 dies, as a busy machine stops a heartbeat.
 """
 
 import importlib.util
@@ -104,7 +106,7 @@ def test_fp16_is_refused_in_one_line():
 @pytest.mark.timeout(300)
 def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_or_doubled(tmp_path):
     die_at, hold_at = 3, 5
-    job = _start(tmp_path, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at)})
+    job = _start(tmp_path, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at), "LATE": "1"})
     deadline = time.monotonic() + 240
     dying = tmp_path / "dying"
     while not (dying.exists() and dying.read_text()):  # the pid, once written whole
@@ -119,6 +121,8 @@ def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_o
     assert {(s["pid"], s["restart"]) for s in survivor} == {(survivor[0]["pid"], 0)}  # never restarted
     assert [s["batch"] for s in survivor] == list(range(16))  # every batch, the killed one once (redone alone)
     assert next(s for s in survivor if s["batch"] == die_at)["groups"] == [0]
+    first_life = [s for s in steps if s["g"] == 1 and s["restart"] == 0]
+    assert first_life and all(s["groups"] == [0, 1] for s in first_life)  # it started late, but never started the job again alone
     healed = [s for s in steps if s["g"] == 1 and s["restart"] == 1]
     assert healed and healed[0]["batch"] > hold_at and healed[-1]["batch"] == 15  # took up where the job was
     for epoch, count in _samples_per_epoch(steps).items():

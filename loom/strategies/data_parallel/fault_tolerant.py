@@ -189,6 +189,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         started = time.time()
         self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         self._quorum()
+        self._wait_for_every_group(started)
         if self._manager.current_step() > 0:  # the job is under way: this group healed in that quorum
             self._ghost_step(started)
             return
@@ -197,6 +198,29 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         with self._guard(), torch.no_grad():
             for tensor in module.state_dict().values():
                 dist.broadcast(tensor, 0)
+
+    def _wait_for_every_group(self, started: float) -> None:
+        """Take quorums until one shows the job under way (this group healed) or holds every group.
+
+        A quorum of groups all at step 0 is not enough to start the job: a group that started it may be
+        missing only for a moment (its heartbeat late on a busy machine). Starting again without it
+        would train the batches it trained a second time, on weights it never takes.
+        """
+        waiting = False
+        while self._manager.current_step() == 0 and len(self._quorum_groups()) < self.groups:
+            if not waiting:
+                self._events.write("waiting", groups=list(self._quorum_groups()))
+                waiting = True
+            if time.time() - started > self.timeout:
+                raise LaunchError(
+                    f"group {self.group} waited {self.timeout:g}s for all {self.groups} groups to start the job "
+                    f"(or for a live group to heal from), but only group(s) {list(self._quorum_groups())} came: start the others"
+                )
+            self._quorum()
+
+    def _quorum_groups(self) -> tuple[int, ...]:
+        """The groups in the current quorum."""
+        return tuple(sorted({r // self.group_size for r in ft_quorum_ranks(self._manager) or [self.group]}))
 
     # ---- one step -----------------------------------------------------------------------------
     def _quorum(self) -> None:
@@ -218,7 +242,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 self._ghost_step(started)
                 continue
             rank, count = self._manager.participating_rank(), self._manager.num_participants()
-            members = tuple(sorted({r // self.group_size for r in ft_quorum_ranks(self._manager) or [self.group]}))
+            members = self._quorum_groups()
             quorum_id = ft_quorum_id(self._manager)
             start, stop = group_slice(self._global_batch, self.group_size, rank, count)
             if self.membership is None or self.membership.quorum_id != quorum_id:
