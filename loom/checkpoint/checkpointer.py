@@ -82,6 +82,7 @@ class Checkpointer:
         job's health monitor, to tell a rank that died from one that did not call save.
         """
         _refuse_empty_modules(state, "save")
+        layout.chosen_digest()  # a digest setting loom lacks is refused before anything is written
         self.wait()
         meet("save", peers)
         step = self._agree_on_step(root, step)

@@ -52,7 +52,7 @@ DIGEST_ENV = "LOOM_CHECKPOINT_DIGEST"  # sha256 where a policy asks for a crypto
 
 def chosen_digest() -> str:
     """The algorithm a new checkpoint records: XXH3-128 unless ``LOOM_CHECKPOINT_DIGEST`` names another."""
-    name = os.environ.get(DIGEST_ENV) or DIGEST
+    name = (os.environ.get(DIGEST_ENV) or DIGEST).lower()
     if name not in HASHES:
         raise CheckpointError(f"{DIGEST_ENV}={name!r} is not a digest loom knows: use one of {', '.join(HASHES)}")
     return name

@@ -291,6 +291,9 @@ def test_a_policy_that_asks_for_sha256_gets_it_and_a_name_loom_lacks_is_one_line
     path = strategy.save(tmp_path / "sha", step=1, model=model, optimizer=opt)
     assert json.loads((path / "COMMITTED").read_text())["digest"] == "sha256"
     assert strategy.restore(path, model=model, optimizer=opt)["step"] == 1
+    monkeypatch.setenv("LOOM_CHECKPOINT_DIGEST", "SHA256")  # any case
+    assert json.loads((strategy.save(tmp_path / "upper", step=1, model=model) / "COMMITTED").read_text())["digest"] == "sha256"
     monkeypatch.setenv("LOOM_CHECKPOINT_DIGEST", "md5")
     with pytest.raises(CheckpointError, match=r"^LOOM_CHECKPOINT_DIGEST='md5' is not a digest loom knows: use one of xxh3_128, sha256$"):
         strategy.save(tmp_path / "md5", step=1, model=model, optimizer=opt)
+    assert not (tmp_path / "md5").exists()  # refused before anything was written
