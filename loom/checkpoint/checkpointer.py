@@ -219,7 +219,7 @@ class Checkpointer:
                 if i == len(candidates) - 1 and not fallback:
                     raise CheckpointError(f"{error}; restore(..., fallback=True) takes the newest intact checkpoint before it") from error
                 if i == len(candidates) - 1:
-                    raise
+                    raise CheckpointError(f"{error}; none of the {len(candidates)} checkpoint(s) tried is intact") from error
                 if self.rank == 0:
                     warnings.warn(f"loom: skipping a damaged checkpoint: {error}; trying the one before it", stacklevel=3)
         return None

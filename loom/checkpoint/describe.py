@@ -23,6 +23,8 @@ def find(path: str | Path) -> tuple[Path, layout.Manifest]:
 
 
 def _none_here(path: str | Path) -> CheckpointError:
+    if not Path(path).exists():
+        return CheckpointError(f"{path}: no such file or directory")
     return CheckpointError(f"{path}: no complete checkpoint here (a step-* directory with a {layout.MARKER} file)")
 
 

@@ -184,7 +184,7 @@ def _owner(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> nn.Module
     for value in state.values():
         if isinstance(value, nn.Module) and any(p is first for p in value.parameters()):
             return value
-    raise CheckpointError(
+    raise CheckpointMismatchError(  # a usage error, not damage: no older checkpoint would do better
         "an optimizer is saved and restored with its model: pass both, e.g. save(dir, model=model, optimizer=opt)"
     )
 

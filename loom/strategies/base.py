@@ -416,6 +416,8 @@ class Strategy(TFNames, ABC):
             saved = restored.pop(f"{name}{SCALER_SUFFIX}", None) if restored else None
             if saved is not None:
                 optimizer.scaler.load_state_dict(saved)
+        for name in state if restored else ():  # an fp16 checkpoint restored in fp32: its scaler is loom's, not a value
+            restored.pop(f"{name}{SCALER_SUFFIX}", None)
         return restored
 
     @cached_property

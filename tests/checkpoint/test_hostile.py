@@ -13,7 +13,7 @@ from torch import nn
 import loom
 from loom.checkpoint import committed, layout
 from loom.checkpoint.describe import describe, model_weights
-from loom.errors import CheckpointError
+from loom.errors import CheckpointError, CheckpointMismatchError
 from loom.launch.cli import main as cli
 from tests.checkpoint import tamper
 from tests.helpers import loom_run
@@ -297,3 +297,41 @@ def test_a_policy_that_asks_for_sha256_gets_it_and_a_name_loom_lacks_is_one_line
     with pytest.raises(CheckpointError, match=r"^LOOM_CHECKPOINT_DIGEST='md5' is not a digest loom knows: use one of xxh3_128, sha256$"):
         strategy.save(tmp_path / "md5", step=1, model=model, optimizer=opt)
     assert not (tmp_path / "md5").exists()  # refused before anything was written
+
+
+def test_when_every_checkpoint_is_damaged_fallback_says_none_is_intact(tmp_path):
+    strategy, model, opt = _trained()
+    for step in (1, 2):
+        tamper.flip(_largest_tensor_file(strategy.save(tmp_path, step=step, model=model, optimizer=opt)))
+    oldest = _largest_tensor_file(tmp_path / "step-00000001")
+    with pytest.warns(UserWarning, match="skipping a damaged checkpoint"), pytest.raises(CheckpointError) as raised:
+        strategy.restore(tmp_path, model=model, optimizer=opt, fallback=True)
+    assert str(raised.value).startswith(f"{oldest}: damaged: ")
+    assert str(raised.value).endswith("; none of the 2 checkpoint(s) tried is intact")
+
+
+def test_an_optimizer_of_another_model_is_a_usage_error_not_damage(tmp_path):
+    strategy, model, opt = _trained()
+    strategy.save(tmp_path, step=1, model=model, optimizer=opt)
+    other = nn.Linear(5, 2)
+    with pytest.raises(CheckpointMismatchError) as raised:
+        strategy.restore(tmp_path, model=model, optimizer=torch.optim.Adam(other.parameters()), fallback=True)
+    assert str(raised.value) == "an optimizer is saved and restored with its model: pass both, e.g. save(dir, model=model, optimizer=opt)"
+
+
+def test_an_fp16_checkpoint_restored_in_fp32_returns_no_scaler_entries(tmp_path):
+    torch.manual_seed(0)
+    half = loom.OneDeviceStrategy(precision="16-mixed")
+    model, opt = half.prepare(nn.Linear(5, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    half.backward(model(torch.randn(4, 5)).square().mean())
+    opt.step()
+    half.save(tmp_path, step=1, model=model, optimizer=opt, epoch=3)
+    full = loom.OneDeviceStrategy()
+    model, opt = full.prepare(nn.Linear(5, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    restored = full.restore(tmp_path, model=model, optimizer=opt)
+    assert {k for k in restored if k not in ("path", "strategy", "world_size")} == {"epoch", "step"}
+
+
+def test_verify_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    assert cli(["checkpoint", "verify", str(tmp_path / "nowhere")]) != 0
+    assert capsys.readouterr().err.strip().endswith(f"{tmp_path / 'nowhere'}: no such file or directory")

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.errors import CheckpointError
+from loom.errors import CheckpointError, CheckpointMismatchError
 from loom.strategies.base import unwrap
 from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.parameter_server import transport
@@ -151,7 +151,7 @@ def plain_state(variables: ShardedVariables, options: dict[str, Any], pulled: Pu
             out.setdefault(key, value)
             continue
         if id(optimizer.model) not in copies:
-            raise CheckpointError(
+            raise CheckpointMismatchError(
                 "an optimizer is saved and restored with its model: pass both, e.g. save(dir, model=model, optimizer=opt)"
             )
         plain = copies[id(optimizer.model)]
