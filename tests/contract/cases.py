@@ -138,9 +138,11 @@ def fit_metrics(make: Make) -> dict[str, Any]:
     """Losses, accuracy and torchmetrics' AUROC and F1 over every replica's samples, and predictions of every
     sample in order; 40 validation samples leave an uneven last batch."""
     strategy = make()
+    untrained = mlp()  # built first: the parameter-server rows run their workers as threads of one process,
+    # and a thread's data loading seeds torch's global generator while another builds a model
     history = loom.fit(mlp(), F.cross_entropy, sgd, data(), val_data=data(40, 9), epochs=2, batch_size=GLOBAL_BATCH,
                        shuffle=False, metrics=["accuracy", "auroc", "f1"], strategy=strategy, progress=False)  # fmt: skip
-    predicted = loom.predict(mlp(), data(40, 9), batch_size=GLOBAL_BATCH, strategy=strategy)
+    predicted = loom.predict(untrained, data(40, 9), batch_size=GLOBAL_BATCH, strategy=strategy)
     return {k: v for k, v in history.items() if k != "samples_per_sec"} | {"predicted": predicted.flatten().tolist()}
 
 

@@ -54,7 +54,8 @@ def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list
     """Two synchronous workers (threads) on two fresh in-process servers for each case.
 
     The threads share torch's global generator: each model is seeded and built under a lock,
-    or their draws interleave and the workers start from other weights than OneDevice's.
+    or their draws interleave and the workers start from other weights than OneDevice's; and a
+    case builds its models before it loads data (the loader seeds that generator per batch).
     """
     build, seeded, lock = cases.mlp, cases._seeded_per_rank, threading.Lock()
 
