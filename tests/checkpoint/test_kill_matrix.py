@@ -10,8 +10,9 @@ the uninterrupted run's bit for bit. Local SGD and DiLoCo sync every 3 steps, so
 kill and the SIGTERM fall in the middle of a period (overlapped DiLoCo: with a mean in flight).
 
 Strategies of a group run one after another in the same launched job (a launch costs seconds
-of CPU): a group is one xdist group, so one test process drives it. Multi-worker mirrored runs
-as one node of two processes here (the contract runs it on two nodes).
+of CPU): a group is one xdist group, so one test process drives it. Multi-worker mirrored is
+Mirrored's code with another topology check, so Mirrored's rows stand for it (the contract and
+the equivalence tests run it on two nodes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SCRIPT = str(SCRIPTS / "kill_matrix_job.py")
 KILL_AT, TERM_AT, SAVED_BEFORE_KILL = 3, 7, 2  # as in the script
 GROUPS = {  # name: (processes, strategies run one after another in one job)
     "one_device": (1, ["one_device"]),
-    "data_parallel": (2, ["mirrored", "multi_worker_mirrored", "local_sgd", "diloco", "diloco_overlap"]),
+    "data_parallel": (2, ["mirrored", "local_sgd", "diloco", "diloco_overlap"]),
     "model_parallel": (2, ["sharded", "tensor_parallel", "hybrid", "pipeline"]),
 }
 ROWS = [pytest.param(group, name, marks=pytest.mark.xdist_group(f"kill_matrix_{group}")) for group, (_, names) in GROUPS.items() for name in names]

@@ -28,13 +28,29 @@ def hosts():
 
 
 def _agent(host: str, rank: int, port: int, out: Path, epochs: int, *flags: str) -> subprocess.Popen:
+    """Host ``host``'s agent; its stderr goes to ``OUT.<host>.err`` as well, to be read while it runs."""
     command = [*LOOM, "run", "--nnodes", "2", "--node-rank", str(rank), "--master", f"{HOSTS['a']}:{port}",
                "--nproc", "1", "--timeout", "120", *flags,
                str(SCRIPTS / "fit_resumable.py"), str(out), str(out.parent / "ckpt"), "dataset", str(epochs)]  # fmt: skip
+    tee = ["bash", "-c", f'"$@" 2> >(tee {out}.{host}.err >&2)', "agent", *on_host(host, command)]
     return subprocess.Popen(
-        on_host(host, command), cwd=ROOT, env=job_env({"LOOM_HEARTBEAT_TIMEOUT": "5"}),
+        tee, cwd=ROOT, env=job_env({"LOOM_HEARTBEAT_TIMEOUT": "5"}),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )  # fmt: skip
+
+
+def _wait_for_lines(out: Path, said: dict[str, str], agents: list, timeout: float = 60) -> None:
+    """Until each host's agent has said its line (``said``: host -> text)."""
+    deadline = time.monotonic() + timeout
+    while not all(text in _said(out, host) for host, text in said.items()):
+        if time.monotonic() > deadline or any(a.poll() is not None for a in agents):
+            pytest.fail(f"the agents did not say {said}: {[_said(out, h)[-1500:] for h in HOSTS]}")
+        time.sleep(0.05)
+
+
+def _said(out: Path, host: str) -> str:
+    path = Path(f"{out}.{host}.err")
+    return path.read_text() if path.exists() else ""
 
 
 def _wait_for_step(out: Path, step: int, agents: list, timeout: float = 90) -> None:
@@ -62,13 +78,14 @@ def test_cutting_a_host_off_fails_fast_naming_it(hosts, tmp_path):
 
 def test_with_restarts_the_job_finishes_once_the_host_is_back(hosts, tmp_path):
     out, port = tmp_path / "out", free_port()
-    agents = [_agent("a", 0, port, out, 12, "--max-restarts", "3"), _agent("b", 1, port, out, 12, "--max-restarts", "3")]
-    _wait_for_step(out, 30, agents)
+    agents = [_agent("a", 0, port, out, 6, "--max-restarts", "3"), _agent("b", 1, port, out, 6, "--max-restarts", "3")]
+    _wait_for_step(out, 20, agents)
     sh("ip", "link", "set", hosts["b"], "down")
-    time.sleep(10)  # both sides give up (5 s without a heartbeat) and their agents try to restart
+    # Both sides give up (5 s without a heartbeat) and their agents restart their workers.
+    _wait_for_lines(out, {"a": "restart 1 of 3", "b": "restart 1 of 3"}, agents)
     sh("ip", "link", "set", hosts["b"], "up")
     (code_a, stdout_a, err_a), (code_b, _, err_b) = wait_all(agents, timeout=120)
     assert (code_a, code_b) == (0, 0), (err_a[-2000:], err_b[-2000:])
     assert "stopped responding" in err_a and "resumed from" in stdout_a
     steps = read_progress(out)
-    assert steps[-1][2] == 120 and len({attempt for attempt, _, _ in steps}) >= 2  # resumed in a later attempt
+    assert steps[-1][2] == 60 and len({attempt for attempt, _, _ in steps}) >= 2  # resumed in a later attempt
