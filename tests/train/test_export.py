@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import loom
+from loom.launch.cli import main as cli
 from loom.train.export import onnx_available
-from tests.helpers import loom_run
 from tests.scripts.export_model import build
 
 SERVE = """
@@ -53,7 +53,7 @@ def test_export_of_a_prepared_model_serves_without_loom(tmp_path):
     assert torch.allclose(_served(tmp_path / "model.pt2", x, tmp_path), expected, atol=1e-6)
 
 
-def test_checkpoint_export_writes_each_format(tmp_path):
+def test_checkpoint_export_writes_each_format(tmp_path, capsys):
     strategy = loom.OneDeviceStrategy()
     model = _trained(strategy)
     strategy.save(tmp_path / "ckpt", model=model)
@@ -63,19 +63,25 @@ def test_checkpoint_export_writes_each_format(tmp_path):
         expected = model(x)
     model_flags = ["--model", "tests.scripts.export_model:build", "--input-shape", "2,4"]
 
-    done = loom_run(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "model.pt2"), *model_flags])
-    assert done.returncode == 0, done.stderr
+    def export(*args: str) -> tuple[int, str]:
+        """``loom checkpoint export`` in this process (the program is then served by a fresh one)."""
+        try:
+            code = cli(["checkpoint", "export", str(tmp_path / "ckpt"), *args])
+        except SystemExit as exit:
+            code = exit.code
+        return code, capsys.readouterr().err
+
+    code, err = export(str(tmp_path / "model.pt2"), *model_flags)
+    assert code == 0, err
     assert torch.allclose(_served(tmp_path / "model.pt2", x, tmp_path), expected, atol=1e-6)
 
-    missing = loom_run(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt2")])
-    assert missing.returncode == 2
-    assert missing.stderr == "loom: error: --format pt2 traces the model's code: pass --model MODULE:FUNCTION (returns the module) and --input-shape N,... (one batch)\n"
+    assert export(str(tmp_path / "m.pt2")) == (2, "loom: error: --format pt2 traces the model's code: pass --model MODULE:FUNCTION (returns the module) and --input-shape N,... (one batch)\n")
 
-    onnx = loom_run(["checkpoint", "export", str(tmp_path / "ckpt"), str(tmp_path / "model.onnx"), *model_flags])
+    code, err = export(str(tmp_path / "model.onnx"), *model_flags)
     if onnx_available():
-        assert onnx.returncode == 0 and (tmp_path / "model.onnx").stat().st_size > 0, onnx.stderr
+        assert code == 0 and (tmp_path / "model.onnx").stat().st_size > 0, err
     else:
-        assert (onnx.returncode, onnx.stderr) == (2, "loom: error: ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript (or export .pt2 only)\n")
+        assert (code, err) == (2, "loom: error: ONNX export needs the onnx and onnxscript packages: pip install onnx onnxscript (or export .pt2 only)\n")
 
 
 def test_onnx_asked_for_without_onnx_says_what_to_install(tmp_path, monkeypatch):
