@@ -17,7 +17,9 @@ demo: $(STAMP)
 	$(PYTHON) examples/mirrored_digits.py
 
 # Three test processes on two cores: most tests wait on launched jobs; tests sharing one job share a process (xdist_group).
+# Compiled first: the suite starts hundreds of interpreters, and where PYTHONDONTWRITEBYTECODE is set each would compile loom again.
 test: $(STAMP)
+	$(PYTHON) -m compileall -q loom tests examples > /dev/null
 	$(PYTHON) -m pytest -q -n 3 --dist loadgroup tests
 
 # The guide (docs/, mkdocs.yml) as a site in site/; --strict fails on a broken link or reference.

@@ -13,7 +13,6 @@ from loom.strategies import (
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
     OneDeviceStrategy,
-    ParameterServerStrategy,
     PipelineStrategy,
     Strategy,
     TPUStrategy,
@@ -68,7 +67,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``loom.advise`` and the strategies on DTensor/FSDP2 are imported on first use, to keep ``import loom`` light."""
+    """``loom.advise``, the strategies on DTensor/FSDP2 and the parameter servers are imported on first use,
+    to keep ``import loom`` light."""
     if name == "advise":
         from loom.diagnostics.advise import advise
 

@@ -14,18 +14,20 @@ from loom.strategies.data_parallel.local_sgd import DiLoCoStrategy, LocalSGDStra
 from loom.strategies.model_parallel.mesh import Mesh
 from loom.strategies.data_parallel.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
 from loom.strategies.data_parallel.one_device import OneDeviceStrategy
-from loom.strategies.parameter_server import ParameterServerStrategy
 from loom.strategies.model_parallel.pipeline.strategy import PipelineStrategy
 from loom.strategies.xla import TPUStrategy  # imports JAX only when one is created
 
 if TYPE_CHECKING:
     from loom.strategies.model_parallel.hybrid import HybridStrategy
+    from loom.strategies.parameter_server.strategy import ParameterServerStrategy
     from loom.strategies.model_parallel.sharded import ShardedStrategy
     from loom.strategies.model_parallel.tensor_parallel import TensorParallelStrategy
 
 # The strategies built on DTensor and FSDP2 load on first use: importing those costs about a
 # second of CPU, which every launcher and every data-parallel or parameter-server process would pay.
+# So do the parameter servers (gRPC: a sixth of a second in every process that never uses them).
 ON_FIRST_USE = {
+    "ParameterServerStrategy": "loom.strategies.parameter_server.strategy",
     "ShardedStrategy": "loom.strategies.model_parallel.sharded",
     "TensorParallelStrategy": "loom.strategies.model_parallel.tensor_parallel",
     "HybridStrategy": "loom.strategies.model_parallel.hybrid",
@@ -42,7 +44,7 @@ STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one l
     "one_device": OneDeviceStrategy,
     "mirrored": MirroredStrategy,
     "multi_worker_mirrored": MultiWorkerMirroredStrategy,
-    "parameter_server": ParameterServerStrategy,
+    "parameter_server": "ParameterServerStrategy",
     "sharded": "ShardedStrategy",
     "pipeline": PipelineStrategy,
     "tensor_parallel": "TensorParallelStrategy",
@@ -71,7 +73,7 @@ def auto_strategy(**options: Any) -> Strategy:
     ``loom run --groups G`` started, FaultTolerantMirroredStrategy.
     """
     if os.environ.get("LOOM_PS_SERVERS"):
-        return ParameterServerStrategy(**options)
+        return __getattr__("ParameterServerStrategy")(**options)
     if in_groups():
         return FaultTolerantMirroredStrategy(**options)
     if not TorchrunEnvironment.detect() or TorchrunEnvironment.resolve().world_size == 1:

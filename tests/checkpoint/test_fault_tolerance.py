@@ -11,7 +11,10 @@ import torch
 from loom.checkpoint import committed
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
 
-pytestmark = pytest.mark.xdist_group("fault_tolerance")  # its tests share one launched job: one test process runs them all
+pytestmark = [
+    pytest.mark.xdist_group("fault_tolerance"),  # its tests share one launched job: one test process runs them all
+    pytest.mark.timeout(420),  # the first runs the two reference jobs too; each wait below is bounded on its own
+]
 
 SCRIPT = str(SCRIPTS / "fit_resumable.py")
 
