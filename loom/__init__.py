@@ -21,6 +21,7 @@ from loom.strategies import (
     get_strategy,
     unwrap,
 )
+from loom.strategies.parameter_server import ClusterCoordinator, RemoteValue
 from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit, predict
 from loom.train.export import export
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "ClusterCoordinator",
     "ClusterError",
     "ClusterSpec",
     "DiLoCoStrategy",
@@ -48,6 +50,7 @@ __all__ = [
     "PipelineStrategy",
     "ReduceOp",
     "RankFailureError",
+    "RemoteValue",
     "ShardedStrategy",
     "Strategy",
     "TensorBoard",

@@ -36,6 +36,8 @@ class ShardedVariables:
         self.seen: dict[int, int] = {}  # server -> the newest version this worker has seen there
         self._splits: deque[tuple[str, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = deque(maxlen=4)
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
+        self.closure: int | None = None  # the scheduled function running (``ClusterCoordinator``): its pushes are tagged
+        self.closure_pushes = 0  # pushes in it so far
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         sent = {s: self.clients[s].send({**fields, "seen": self.seen.get(s, -1)}, tensors) for s, (fields, tensors) in requests.items()}
@@ -179,6 +181,8 @@ class ShardedVariables:
             if server not in requests:
                 fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock, "sync": sync, "hyper": hyper}
                 requests[server] = ({**fields, "based_on": self.versions.get(server)}, {})
+                if self.closure is not None:  # applied once, whichever worker runs the function
+                    requests[server][0]["closure"] = f"{self.closure}.{self.closure_pushes}"
             return requests[server][1]
 
         if sync is not None:
@@ -197,6 +201,7 @@ class ShardedVariables:
             fields["parts"] = parts  # so that a dead worker's launcher can tell a whole push from a half one
         self._fan_out(requests)
         self._last_push = requests
+        self.closure_pushes += 1
         rows = then_rows or {}
         replies = self._commit(parts, self._reads(then_pull or [], rows))
         self.clock += 1

@@ -1,0 +1,124 @@
+"""Server 0's side of ``ClusterCoordinator``: the scheduled functions, who runs each, their results.
+
+The coordinator adds each function it schedules, numbered 0, 1, 2... in the order the script
+schedules them; a worker waiting in ``join``/``fetch`` takes the oldest one not yet taken (so a
+free worker gets the next step, as in TF), runs it, and gives back its result. A function
+whose worker dies is put back at the front of the queue for another worker: when the
+worker's launcher says it is done for good (``settle``), or when the worker's successor
+asks for work (a new process under the same index). Both come after the launcher has settled
+the dead worker's last push, so the push is applied on every server or on none before
+anyone runs the function again; the servers apply a function's update once whoever runs it
+(``ParameterServer._first_time``). The schedule lives in server 0's memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from loom.strategies.parameter_server.wire import WireError
+
+NEEDS = {"add": ("first", "names"), "take": ("worker", "pid", "below"), "done": ("number", "worker"), "status": ("below",)}
+POLL = 1.0  # seconds a request waits at the server for something to change before it asks again
+
+
+class Schedule:
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self.names: dict[int, str] = {}  # function number -> its name, as the coordinator scheduled it
+        self.queue: list[int] = []  # waiting for a worker, oldest first
+        self.taken: dict[int, tuple[int, int]] = {}  # number -> (worker index, pid) running it
+        self.pids: dict[int, int] = {}  # worker index -> the process that last asked for work
+        self.results: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self.error: str | None = None  # the first function that raised, and how
+
+    def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor], finished: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        do = fields["do"]
+        missing = [name for name in NEEDS[do] if name not in fields]
+        if missing:
+            raise WireError(f"schedule {do}: field '{missing[0]}' is missing")
+        with self._changed:
+            if do == "add":
+                self._add(fields["first"], fields["names"])
+                return {}, {}
+            if do == "done":
+                self._done(fields, tensors)
+                return {}, {}
+            if do == "take":
+                self._arrived(fields["worker"], fields["pid"])
+                mine = [n for n, taker in self.taken.items() if taker == (fields["worker"], fields["pid"])]
+                if mine:  # the reply that gave it was lost: a worker runs one function at a time
+                    return {"run": min(mine), "name": self.names[min(mine)]}, {}
+            self._changed.wait_for(lambda: self._ready(fields, finished), min(float(fields.get("wait", 0.0)), POLL))
+            if do == "take" and self.error is None and (number := self._next(fields["below"])) is not None:
+                self.taken[number] = (fields["worker"], fields["pid"])
+                return {"run": number, "name": self.names[number]}, {}
+            return self._status(fields, finished)
+
+    def settle(self, finished: set[str]) -> None:
+        """Workers done for good: what they were running goes back to the queue."""
+        with self._changed:
+            self._requeue([n for n, (worker, _) in self.taken.items() if str(worker) in finished])
+
+    def _add(self, first: int, names: list[str]) -> None:
+        """Functions ``first``, ``first + 1``...; a restarted coordinator adding them again changes nothing."""
+        for number, name in enumerate(names, first):
+            if number not in self.names:
+                self.names[number] = name
+                self.queue.append(number)
+        self._changed.notify_all()
+
+    def _arrived(self, worker: int, pid: int) -> None:
+        """A worker asks for work: if it is a new process, its predecessor's functions go back to the queue."""
+        if self.pids.get(worker, pid) != pid:
+            self._requeue([n for n, (w, p) in self.taken.items() if w == worker and p != pid])
+        self.pids[worker] = pid
+
+    def _requeue(self, numbers: list[int]) -> None:
+        for number in numbers:
+            del self.taken[number]
+        self.queue = sorted(numbers) + self.queue
+        if numbers:
+            self._changed.notify_all()
+
+    def _done(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        number = fields["number"]
+        self.taken.pop(number, None)
+        if number in self.queue:  # given back while its worker was thought dead: its result stands
+            self.queue.remove(number)
+        if number not in self.results:
+            self.results[number] = (fields.get("result"), {key.split("/", 1)[1]: value for key, value in tensors.items()})
+            if fields.get("error") and self.error is None:
+                self.error = f"{self.names.get(number, 'function')} (scheduled function {number}) failed on worker {fields['worker']}: {fields['error']}"
+        self._changed.notify_all()
+
+    def _next(self, below: int) -> int | None:
+        """The oldest function waiting that the asking worker's script has scheduled too."""
+        number = next((n for n in self.queue if n < below), None)
+        if number is not None:
+            self.queue.remove(number)
+        return number
+
+    def _ready(self, fields: dict[str, Any], finished: set[str]) -> bool:
+        below, wanted = fields["below"], fields.get("want", [])
+        if self.error is not None or any(n in self.results for n in wanted):
+            return True
+        if fields["do"] == "take" and any(n < below for n in self.queue):
+            return True
+        return self._left(below) == 0
+
+    def _left(self, below: int) -> int:
+        return below - sum(1 for n in self.results if n < below)
+
+    def _status(self, fields: dict[str, Any], finished: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """How many of functions ``0..below-1`` are not done, and the results of those ``want``ed that are."""
+        below = fields["below"]
+        results, tensors = {}, {}
+        for number in fields.get("want", []):
+            if number in self.results:
+                results[str(number)], held = self.results[number]
+                tensors.update({f"r/{number}/{key}": value for key, value in held.items()})
+        status = {"left": self._left(below), "unknown": below - sum(1 for n in self.names if n < below), "results": results}
+        return {**status, "error": self.error, "finished": sorted(int(w) for w in finished), "running": len(self.taken)}, tensors
