@@ -1,0 +1,103 @@
+"""ClusterCoordinator's parts without a job: the schedule at server 0, a step's update applied once
+whoever runs it (across a server restart too), results as they travel, and the refusals."""
+
+import pytest
+import torch
+
+from loom import ClusterCoordinator, OneDeviceStrategy, ParameterServerStrategy
+from loom.errors import LoomError
+from loom.strategies.parameter_server.coordinator import PerWorkerDataset, _pack, _unpack
+from loom.strategies.parameter_server.optimizers import ServerOptimizer
+from loom.strategies.parameter_server.schedule import Schedule
+from loom.strategies.parameter_server.server import ParameterServer
+from tests.strategies.parameter_server.test_server import push
+
+
+def take(schedule, worker, pid, below=10, finished=()):
+    return schedule.handle({"do": "take", "worker": worker, "pid": pid, "below": below}, {}, set(finished))[0]
+
+
+def status(schedule, below, want=(), finished=()):
+    return schedule.handle({"do": "status", "below": below, "want": list(want)}, {}, set(finished))
+
+
+def test_a_dead_workers_step_goes_back_to_the_front_of_the_queue():
+    schedule = Schedule()
+    schedule.handle({"do": "add", "first": 0, "names": ["step"] * 4}, {}, set())
+    assert take(schedule, 1, 100)["run"] == 0 and take(schedule, 2, 200)["run"] == 1
+    assert take(schedule, 2, 200)["run"] == 1  # its reply was lost: the same step again, never a second one
+    assert take(schedule, 2, 201)["run"] == 1  # worker 2's successor: its predecessor's step first
+    schedule.handle({"do": "done", "number": 0, "worker": 1, "result": {"value": 7}}, {}, set())
+    assert take(schedule, 1, 100)["run"] == 2
+    schedule.settle({"1"})  # worker 1 is done for good: step 2 is run by another
+    assert take(schedule, 3, 300)["run"] == 2
+    assert take(schedule, 3, 300, below=2) == {"run": 2, "name": "step"}
+    fields, _ = status(schedule, 4, want=[0])
+    assert fields["left"] == 3 and fields["results"] == {"0": {"value": 7}} and fields["unknown"] == 0
+
+
+def test_a_worker_takes_only_steps_its_script_has_scheduled_and_the_first_error_is_everyones():
+    schedule = Schedule()
+    schedule.handle({"do": "add", "first": 0, "names": ["a", "b"]}, {}, set())
+    assert take(schedule, 1, 1, below=1)["run"] == 0
+    assert "run" not in take(schedule, 2, 2, below=1)  # step 1 is beyond what worker 2 has scheduled
+    schedule.handle({"do": "done", "number": 0, "worker": 1, "error": "ValueError: bad batch"}, {}, set())
+    fields, _ = status(schedule, 2)
+    assert fields["error"] == "a (scheduled function 0) failed on worker 1: ValueError: bad batch"
+    assert status(Schedule(), 3)[0]["unknown"] == 3  # a server 0 that lost the schedule knows none of them
+
+
+def test_a_steps_update_is_applied_once_whoever_runs_it_and_after_a_server_restart(tmp_path):
+    server = ParameterServer("secret", {"w": torch.zeros(2)}, {}, ServerOptimizer("SGD", [{"lr": 1.0}]))
+    grad = {"grad/w": -torch.ones(2)}
+    assert push(server, {"worker": "worker-1.10", "seq": 0, "closure": "4.0"}, grad)
+    assert not push(server, {"worker": "worker-2.20", "seq": 0, "closure": "4.0"}, grad)  # step 4 run again elsewhere
+    assert push(server, {"worker": "worker-2.20", "seq": 1, "closure": "5.0"}, grad)
+    server.save(tmp_path / "state.safetensors")
+    restarted = ParameterServer.restore("secret", tmp_path / "state.safetensors")
+    assert not push(restarted, {"worker": "worker-2.21", "seq": 0, "closure": "5.0"}, grad)
+    assert restarted.dense["w"].tolist() == [2.0, 2.0]
+    restarted.new_run()  # a new run of the job numbers its steps from 0 again
+    assert push(restarted, {"worker": "worker-1.11", "seq": 0, "closure": "4.0"}, grad)
+
+
+def test_a_result_travels_as_json_and_tensors():
+    tensors = {}
+    value = {"loss": torch.tensor(0.5), "counts": (torch.ones(2), 3), "tag": ["a", None, 1.5]}
+    packed = _pack(value, tensors)
+    back = _unpack(packed, {key.split("/", 1)[1]: t for key, t in tensors.items()})
+    assert back["loss"].item() == 0.5 and torch.equal(back["counts"][0], torch.ones(2)) and back["counts"][1] == 3
+    assert back["tag"] == ["a", None, 1.5] and isinstance(back["counts"], tuple)
+    with pytest.raises(TypeError, match="a scheduled function returns tensors, numbers, strings, None, or lists, tuples and dicts"):
+        _pack(object(), {})
+
+
+def _strategy(**options):
+    return ParameterServerStrategy(servers=["127.0.0.1:1"], token="t", **{"worker": 0, "num_workers": 3, **options})
+
+
+def test_what_a_coordinator_cannot_do_is_refused_in_one_line():
+    with pytest.raises(TypeError, match="ClusterCoordinator takes a ParameterServerStrategy, not OneDeviceStrategy"):
+        ClusterCoordinator(OneDeviceStrategy())
+    with pytest.raises(ValueError, match="ClusterCoordinator runs asynchronous steps, as TF's does: leave out --sync and --staleness"):
+        ClusterCoordinator(_strategy(synchronous=True))
+    with pytest.raises(ValueError, match="ClusterCoordinator needs a chief that coordinates and at least one worker"):
+        ClusterCoordinator(_strategy(num_workers=1))
+    coordinator = ClusterCoordinator(_strategy(worker=1))  # a worker: nothing is sent when it schedules
+    value = coordinator.schedule(lambda: 1)
+    with pytest.raises(TypeError, match="coordinator.schedule takes no RemoteValue arguments in loom: pass value.fetch"):
+        coordinator.schedule(print, args=(value,))
+    on_coordinator = iter(PerWorkerDataset(None))
+    with pytest.raises(LoomError, match="a per-worker iterator is read on the workers, not on the coordinator"):
+        next(on_coordinator)
+
+
+def test_each_worker_that_runs_steps_builds_its_own_input_pipeline():
+    seen = []
+    for worker in (1, 2):
+        coordinator = ClusterCoordinator(_strategy(worker=worker))
+        coordinator.create_per_worker_dataset(lambda ctx: seen.append((ctx.input_pipeline_id, ctx.num_input_pipelines)) or [])
+        coordinator.create_per_worker_dataset(lambda: coordinator.strategy.distribute_datasets_from_function(
+            lambda ctx: seen.append((ctx.input_pipeline_id, ctx.get_per_replica_batch_size(32))) or []))  # fmt: skip
+    assert seen == [(0, 2), (0, 32), (1, 2), (1, 32)]  # the chief (worker 0) runs no steps and builds none
+    assert ClusterCoordinator(_strategy()).create_per_worker_dataset(lambda: 1 / 0)._dataset is None
