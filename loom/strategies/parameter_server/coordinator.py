@@ -160,8 +160,7 @@ class ClusterCoordinator:
                 return _unpack(reply["results"][str(want)], held)
             if want is None and reply["left"] == 0:
                 return None
-            if self.is_coordinator:
-                self._check_alive(reply)
+            self._check_alive(reply)
 
     def _status(self, below: int, wait: float, want: int | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         fields = self._request("status", below=below, wait=wait, want=[] if want is None else [want])
@@ -174,13 +173,22 @@ class ClusterCoordinator:
                              want=[] if want is None else [want])  # fmt: skip
 
     def _check_alive(self, status: dict[str, Any]) -> None:
-        """One line instead of a hang: the schedule was lost, or no worker is left to run the steps."""
+        """One line instead of a hang: the schedule was lost, no worker is left to run the steps, or
+        (on a worker) the coordinator failed or ended without scheduling what this script did."""
+        if not self.is_coordinator:
+            chief = status["finished"].get("0")
+            if chief is not None and (chief != 0 or status["unknown"]):
+                raise LoomError(
+                    f"the coordinator (worker 0, the chief) ended (exit code {chief}) with {status['left']} of this "
+                    "worker's scheduled functions not run; see the chief's output"
+                )
+            return
         if status["unknown"]:
             raise LoomError(
                 f"parameter server 0 no longer knows {status['unknown']} scheduled functions: it restarted, and the "
                 "coordinator's schedule lives in its memory; run the job again (the servers kept the variables)"
             )
-        if set(range(1, self.strategy.num_workers)) <= set(status["finished"]):
+        if {str(w) for w in range(1, self.strategy.num_workers)} <= set(status["finished"]):
             raise LoomError(
                 f"every worker has ended with {status['left']} scheduled functions not run: each worker's script must "
                 "reach the coordinator's join() or fetch() (every process runs the same script)"

@@ -34,7 +34,7 @@ class Schedule:
         self.results: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
         self.error: str | None = None  # the first function that raised, and how
 
-    def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor], finished: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor], finished: dict[str, int]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         do = fields["do"]
         missing = [name for name in NEEDS[do] if name not in fields]
         if missing:
@@ -51,7 +51,7 @@ class Schedule:
                 mine = [n for n, taker in self.taken.items() if taker == (fields["worker"], fields["pid"])]
                 if mine:  # the reply that gave it was lost: a worker runs one function at a time
                     return {"run": min(mine), "name": self.names[min(mine)]}, {}
-            self._changed.wait_for(lambda: self._ready(fields, finished), min(float(fields.get("wait", 0.0)), POLL))
+            self._changed.wait_for(lambda: self._ready(fields), min(float(fields.get("wait", 0.0)), POLL))
             if do == "take" and self.error is None and (number := self._next(fields["below"])) is not None:
                 self.taken[number] = (fields["worker"], fields["pid"])
                 return {"run": number, "name": self.names[number]}, {}
@@ -101,7 +101,7 @@ class Schedule:
             self.queue.remove(number)
         return number
 
-    def _ready(self, fields: dict[str, Any], finished: set[str]) -> bool:
+    def _ready(self, fields: dict[str, Any]) -> bool:
         below, wanted = fields["below"], fields.get("want", [])
         if self.error is not None or any(n in self.results for n in wanted):
             return True
@@ -112,8 +112,9 @@ class Schedule:
     def _left(self, below: int) -> int:
         return below - sum(1 for n in self.results if n < below)
 
-    def _status(self, fields: dict[str, Any], finished: set[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """How many of functions ``0..below-1`` are not done, and the results of those ``want``ed that are."""
+    def _status(self, fields: dict[str, Any], finished: dict[str, int]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """How many of functions ``0..below-1`` are not done, the results of those ``want``ed that are, and
+        the workers done for good (worker index -> exit code)."""
         below = fields["below"]
         results, tensors = {}, {}
         for number in fields.get("want", []):
@@ -121,4 +122,4 @@ class Schedule:
                 results[str(number)], held = self.results[number]
                 tensors.update({f"r/{number}/{key}": value for key, value in held.items()})
         status = {"left": self._left(below), "unknown": below - sum(1 for n in self.names if n < below), "results": results}
-        return {**status, "error": self.error, "finished": sorted(int(w) for w in finished), "running": len(self.taken)}, tensors
+        return {**status, "error": self.error, "finished": finished, "running": len(self.taken)}, tensors

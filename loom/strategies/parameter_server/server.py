@@ -155,7 +155,7 @@ class ParameterServer:
                 return {"next": self.meetings.next.get(str(fields["worker"]), 0)}, {}
             return self.meetings.meet(fields, tensors.get("value"), set(self.finished))
         if op == "schedule":
-            return self.schedule.handle(fields, tensors, set(self.finished))
+            return self.schedule.handle(fields, tensors, dict(self.finished))
         if op == "read":
             return self._read_chunk(fields["name"], fields["start"], fields["budget"])
         if op == "write":

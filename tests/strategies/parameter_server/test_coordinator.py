@@ -13,35 +13,36 @@ from loom.strategies.parameter_server.server import ParameterServer
 from tests.strategies.parameter_server.test_server import push
 
 
-def take(schedule, worker, pid, below=10, finished=()):
-    return schedule.handle({"do": "take", "worker": worker, "pid": pid, "below": below}, {}, set(finished))[0]
+def take(schedule, worker, pid, below=10):
+    return schedule.handle({"do": "take", "worker": worker, "pid": pid, "below": below}, {}, {})[0]
 
 
-def status(schedule, below, want=(), finished=()):
-    return schedule.handle({"do": "status", "below": below, "want": list(want)}, {}, set(finished))
+def status(schedule, below, want=()):
+    return schedule.handle({"do": "status", "below": below, "want": list(want)}, {}, {"2": -9})
 
 
 def test_a_dead_workers_step_goes_back_to_the_front_of_the_queue():
     schedule = Schedule()
-    schedule.handle({"do": "add", "first": 0, "names": ["step"] * 4}, {}, set())
+    schedule.handle({"do": "add", "first": 0, "names": ["step"] * 4}, {}, {})
     assert take(schedule, 1, 100)["run"] == 0 and take(schedule, 2, 200)["run"] == 1
     assert take(schedule, 2, 200)["run"] == 1  # its reply was lost: the same step again, never a second one
     assert take(schedule, 2, 201)["run"] == 1  # worker 2's successor: its predecessor's step first
-    schedule.handle({"do": "done", "number": 0, "worker": 1, "result": {"value": 7}}, {}, set())
+    schedule.handle({"do": "done", "number": 0, "worker": 1, "result": {"value": 7}}, {}, {})
     assert take(schedule, 1, 100)["run"] == 2
     schedule.settle({"1"})  # worker 1 is done for good: step 2 is run by another
     assert take(schedule, 3, 300)["run"] == 2
     assert take(schedule, 3, 300, below=2) == {"run": 2, "name": "step"}
     fields, _ = status(schedule, 4, want=[0])
     assert fields["left"] == 3 and fields["results"] == {"0": {"value": 7}} and fields["unknown"] == 0
+    assert fields["finished"] == {"2": -9}  # as the launchers told server 0
 
 
 def test_a_worker_takes_only_steps_its_script_has_scheduled_and_the_first_error_is_everyones():
     schedule = Schedule()
-    schedule.handle({"do": "add", "first": 0, "names": ["a", "b"]}, {}, set())
+    schedule.handle({"do": "add", "first": 0, "names": ["a", "b"]}, {}, {})
     assert take(schedule, 1, 1, below=1)["run"] == 0
     assert "run" not in take(schedule, 2, 2, below=1)  # step 1 is beyond what worker 2 has scheduled
-    schedule.handle({"do": "done", "number": 0, "worker": 1, "error": "ValueError: bad batch"}, {}, set())
+    schedule.handle({"do": "done", "number": 0, "worker": 1, "error": "ValueError: bad batch"}, {}, {})
     fields, _ = status(schedule, 2)
     assert fields["error"] == "a (scheduled function 0) failed on worker 1: ValueError: bad batch"
     assert status(Schedule(), 3)[0]["unknown"] == 3  # a server 0 that lost the schedule knows none of them
@@ -101,3 +102,16 @@ def test_each_worker_that_runs_steps_builds_its_own_input_pipeline():
             lambda ctx: seen.append((ctx.input_pipeline_id, ctx.get_per_replica_batch_size(32))) or []))  # fmt: skip
     assert seen == [(0, 2), (0, 32), (1, 2), (1, 32)]  # the chief (worker 0) runs no steps and builds none
     assert ClusterCoordinator(_strategy()).create_per_worker_dataset(lambda: 1 / 0)._dataset is None
+
+
+def test_a_coordinator_without_workers_and_a_worker_without_its_coordinator_stop_in_one_line():
+    coordinator = ClusterCoordinator(_strategy())
+    with pytest.raises(LoomError, match="every worker has ended with 2 scheduled functions not run: each worker's script must"):
+        coordinator._check_alive({"unknown": 0, "left": 2, "finished": {"1": 0, "2": -9}})
+    with pytest.raises(LoomError, match="parameter server 0 no longer knows 3 scheduled functions: it restarted"):
+        coordinator._check_alive({"unknown": 3, "left": 3, "finished": {}})
+    coordinator._check_alive({"unknown": 0, "left": 2, "finished": {"2": -9}})  # worker 1 is left to run them
+    worker = ClusterCoordinator(_strategy(worker=1))
+    worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 0}})  # the chief ended well: its steps are still queued
+    with pytest.raises(LoomError, match=r"the coordinator \(worker 0, the chief\) ended \(exit code 1\) with 1 of this worker's"):
+        worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 1}})
