@@ -1,25 +1,7 @@
-"""``ClusterCoordinator``: TF's coordinator model on loom's parameter servers, made SPMD.
+"""``ClusterCoordinator``: TF's coordinator model on loom's parameter servers, made SPMD (see the class).
 
-TF ships a function's graph from the coordinator to a worker. A Python function cannot be
-shipped between processes in general (closures, models, iterators), so in loom every
-process runs the same script, as everywhere else in loom:
-
-- The chief (worker 0; TF_CONFIG's ``chief`` task) is the coordinator. It creates the
-  variables (``prepare``), schedules, joins and fetches, and runs no step itself.
-- ``schedule(fn, args=...)`` numbers the function 0, 1, 2... on every process, in the order the
-  script schedules them. The coordinator adds each number to the queue on server 0
-  (``schedule.py``); every process keeps ``fn`` and its own ``args`` under that number.
-- A worker runs steps while its script waits in ``join()`` or ``fetch()``: it takes the oldest
-  number waiting, runs its own ``fn(*args)`` (so ``args`` are that worker's values, its
-  per-worker iterator included), and gives the result to server 0, where every process reads it.
-- A step whose worker dies goes back to the queue once the worker's launcher has settled its
-  last push, and another worker runs it. Its pushes carry the step's number, so the servers
-  apply them once: a worker that died after its update was applied has the step run again
-  for its return value only.
-
-What differs from TF: arguments are each process's own (compute them the same way on every
-process), a ``RemoteValue`` is not accepted as an argument, and state a function changes on its
-worker (a metric object) stays there: return what the coordinator needs and fetch it.
+The queue and the results live on server 0 (``schedule.py``); a step's pushes carry its
+number, so the servers apply them once whoever runs it (``ParameterServer._first_time``).
 """
 
 from __future__ import annotations
@@ -81,7 +63,32 @@ class PerWorkerDataset:
 
 
 class ClusterCoordinator:
-    """``tf.distribute.coordinator.ClusterCoordinator`` for ``ParameterServerStrategy`` (see the module's docstring)."""
+    """``tf.distribute.coordinator.ClusterCoordinator`` for ``ParameterServerStrategy``.
+
+    TF ships a function's graph from the coordinator to a worker. A Python function cannot be
+    shipped between processes in general (closures, models, iterators), so in loom every
+    process runs the same script, as everywhere else in loom:
+
+    - The chief (worker 0; TF_CONFIG's ``chief`` task) is the coordinator: it creates the
+      variables (``prepare``), schedules, joins and fetches, and runs no step itself.
+    - ``schedule(fn, args=...)`` numbers the function 0, 1, 2... on every process, in the order
+      the script schedules them. The coordinator puts each number in a queue on server 0; every
+      process keeps its own ``fn`` and ``args`` under that number.
+    - A worker runs steps while its script waits in ``join()`` or ``fetch()``: it takes the
+      oldest number waiting, runs its own ``fn(*args)`` (so ``args`` are that worker's values,
+      its per-worker iterator included) and gives the result to server 0, where every process
+      reads it.
+    - A step whose worker dies goes back to the front of the queue once the worker's launcher
+      has settled its last push, and another worker (or the dead one's successor) runs it. Its
+      pushes carry the step's number, so the servers apply its update exactly once: a worker
+      that died after its update was applied has the step run again for its return value only.
+
+    Not as in TF: ``args`` are each process's own (compute them alike on every process); a
+    ``RemoteValue`` is refused as an argument; state a function changes on its worker (a metric
+    object) stays there, so return what the coordinator needs and fetch it; the schedule lives
+    in server 0's memory (a restart of server 0 stops the coordinator, in one line); and the
+    steps are asynchronous (``synchronous``/``staleness`` are refused).
+    """
 
     def __init__(self, strategy: ParameterServerStrategy) -> None:
         if not isinstance(strategy, ParameterServerStrategy):
