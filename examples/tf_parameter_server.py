@@ -10,8 +10,9 @@ among them), and the model its embedding of 16,384 per word, averaged, then a si
 Differences, each one line: every process runs this script (loom is SPMD; the chief
 coordinates, the workers run the scheduled steps); the accuracy lives on the coordinator,
 so a step returns its counts and the coordinator adds what it fetches (a metric updated on
-a worker stays on that worker); the tutorial's RMSprop(0.1) is Adagrad(0.1), which loom's
-servers run exactly.
+a worker stays on that worker); the tutorial's RMSprop(0.1) is Adagrad(0.001), which loom's
+servers run exactly (a first step of 0.1 per weight moves the 16,384-wide unit's output by
+hundreds, so a run can saturate the sigmoid and stall).
 
 One machine: the chief and two workers, two servers:
 
@@ -112,7 +113,7 @@ examples = feature_and_label_gen()
 strategy = loom.ParameterServerStrategy()
 with strategy.scope():
     model = Model()
-model, optimizer = strategy.prepare(model, lambda params: torch.optim.Adagrad(params, lr=0.1))
+model, optimizer = strategy.prepare(model, lambda params: torch.optim.Adagrad(params, lr=0.001))
 accuracy = Accuracy()
 
 
