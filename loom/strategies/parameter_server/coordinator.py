@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -105,6 +106,7 @@ class ClusterCoordinator:
         self.is_coordinator = strategy.is_chief
         self._functions: list[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = []
         self._client = ServerClient(strategy.servers[0], strategy.token)
+        self._queue = _Queue(ServerClient(strategy.servers[0], strategy.token)) if self.is_coordinator else None
 
     def schedule(self, fn: Callable[..., Any], args: Iterable[Any] = (), kwargs: dict[str, Any] | None = None) -> RemoteValue:
         """Queue ``fn(*args, **kwargs)`` for a worker; returns at once with its ``RemoteValue``."""
@@ -113,8 +115,8 @@ class ClusterCoordinator:
             raise TypeError("coordinator.schedule takes no RemoteValue arguments in loom: pass value.fetch() instead")
         number = len(self._functions)
         self._functions.append((fn, args, kwargs))
-        if self.is_coordinator:
-            self._request("add", first=number, names=[_name(fn)])
+        if self._queue is not None:
+            self._queue.add(_name(fn))
         return RemoteValue(self, number)
 
     def join(self) -> None:
@@ -127,7 +129,9 @@ class ClusterCoordinator:
             self.strategy._pull_latest()
 
     def done(self) -> bool:
-        """Whether every function scheduled so far has run (without waiting)."""
+        """Whether every function scheduled so far has run (without waiting for them)."""
+        if self._queue is not None:
+            self._queue.flush()
         return self._status(len(self._functions), wait=0.0)[0]["left"] == 0
 
     def fetch(self, values: Any) -> Any:
@@ -155,10 +159,14 @@ class ClusterCoordinator:
     # ---- the loop every process runs while it waits -------------------------------------------------
     def _wait(self, below: int, want: int | None = None) -> Any:
         """Until functions ``0..below-1`` have run (or function ``want`` has: its result); a worker runs steps meanwhile."""
+        if self._queue is not None:
+            self._queue.flush()
+        reply: dict[str, Any] | None = None
         while True:
-            reply, tensors = self._status(below, POLL, want) if self.is_coordinator else self._take(below, want)
+            if reply is None:
+                reply, tensors = self._status(below, POLL, want) if self.is_coordinator else self._take(below, want)
             if "run" in reply:
-                self._run(reply["run"], reply["name"])
+                reply, tensors = self._run(reply["run"], reply["name"], self._asking(below, want))
                 continue
             if reply["error"]:
                 raise LoomError(reply["error"])
@@ -168,6 +176,7 @@ class ClusterCoordinator:
             if want is None and reply["left"] == 0:
                 return None
             self._check_alive(reply)
+            reply = None
 
     def _status(self, below: int, wait: float, want: int | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         fields = self._request("status", below=below, wait=wait, want=[] if want is None else [want])
@@ -176,8 +185,11 @@ class ClusterCoordinator:
         return fields
 
     def _take(self, below: int, want: int | None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        return self._request("take", worker=self.strategy.worker, pid=os.getpid(), below=below, wait=POLL,
-                             want=[] if want is None else [want])  # fmt: skip
+        return self._request("take", **self._asking(below, want))
+
+    def _asking(self, below: int, want: int | None) -> dict[str, Any]:
+        """What a worker asks server 0 for: the next function it may run, else whether it may stop waiting."""
+        return {"worker": self.strategy.worker, "pid": os.getpid(), "below": below, "wait": POLL, "want": [] if want is None else [want]}
 
     def _check_alive(self, status: dict[str, Any]) -> None:
         """One line instead of a hang: the schedule was lost, no worker is left to run the steps, or
@@ -201,8 +213,9 @@ class ClusterCoordinator:
                 "reach the coordinator's join() or fetch() (every process runs the same script)"
             )
 
-    def _run(self, number: int, name: str) -> None:
-        """Run function ``number`` here and give its result (or its error) to server 0."""
+    def _run(self, number: int, name: str, asking: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Run function ``number`` here and give its result (or its error) to server 0, asking for the
+        next one in the same request (``asking``: see ``_take``); server 0's answer."""
         fn, args, kwargs = self._functions[number]
         if _name(fn) != name:
             raise LoomError(
@@ -224,10 +237,52 @@ class ClusterCoordinator:
             self.strategy.in_function = False
             if variables is not None:
                 variables.closure = None
-        self._request("done", number=number, worker=self.strategy.worker, result=result, error=error, tensors=tensors)
+        return self._request("done", number=number, result=result, error=error, tensors=tensors, **asking)
 
     def _request(self, do: str, tensors: dict[str, torch.Tensor] | None = None, **fields: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return self._client.call({"op": "schedule", "do": do, **fields}, tensors)
+
+
+class _Queue:
+    """The coordinator's end of the queue on server 0: a thread of its own sends the functions
+    scheduled, all those scheduled since its last request in one, so that ``schedule`` returns at
+    once and a loop of schedules costs server 0 a few requests rather than one each."""
+
+    def __init__(self, client: ServerClient) -> None:
+        self._client = client
+        self._changed = threading.Condition()
+        self._names: list[str] = []  # every function scheduled, by number
+        self._sent = 0
+        self._error: Exception | None = None
+        threading.Thread(target=self._send, daemon=True, name="loom-coordinator-queue").start()
+
+    def add(self, name: str) -> None:
+        with self._changed:
+            self._names.append(name)
+            self._changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until server 0 has every function scheduled; its error, if it could not take them."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._sent == len(self._names) or self._error is not None)
+            if self._error is not None:
+                raise self._error
+
+    def _send(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._sent < len(self._names))
+                first, names = self._sent, self._names[self._sent :]
+            try:
+                self._client.call({"op": "schedule", "do": "add", "first": first, "names": names})
+            except Exception as error:  # raised where the coordinator next waits
+                with self._changed:
+                    self._error = error
+                    self._changed.notify_all()
+                return
+            with self._changed:
+                self._sent = first + len(names)
+                self._changed.notify_all()
 
 
 def _name(fn: Callable[..., Any]) -> str:
