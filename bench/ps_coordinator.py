@@ -13,8 +13,10 @@ averaged over 3 words, a sigmoid unit, batch 32, Adagrad on the servers). Both w
 
 Each run meets at a barrier, runs 10 warm-up steps, then times ``--steps`` steps (the launch
 and start-up are not timed): samples/s over the timed steps, from the first worker's start to
-the last one's end. The ways run interleaved, ``--rounds`` times; the medians are kept, with
-their ratio. TensorFlow's ParameterServerStrategy (its tutorial's in-process cluster, same
+the last one's end (the chief's window under the coordinator), and the CPU time the training
+processes spent per step (the chief's included, the servers' not: less sensitive to a shared
+machine's load than samples/s). The ways run interleaved, ``--rounds`` times; the medians are
+kept, with their ratios, and the 1-minute load average after each run. TensorFlow's ParameterServerStrategy (its tutorial's in-process cluster, same
 shape) runs too where ``import tensorflow`` works in ``.venv-tf`` or this Python; it is
 left out, and the JSON says so, where it does not. Saves ``results/ps_coordinator.json`` and
 ``.png``.
@@ -91,32 +93,32 @@ def job(way: str, steps: int, out: str) -> None:
         for _ in range(WARMUP):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
-        start = time.time()
+        start, cpu = time.time(), time.process_time()  # on every process: the workers run the steps in join()
         for _ in range(steps):
             coordinator.schedule(step_fn, args=(iterator,))
         coordinator.join()
-        if strategy.is_chief:
-            _record(out, start, time.time(), steps)
+        _record(out, start, time.time(), steps if strategy.is_chief else 0, time.process_time() - cpu)
         return
     iterator, mine = _batches(strategy.worker), steps // strategy.num_workers + (strategy.worker < steps % strategy.num_workers)
     strategy.barrier()
     for _ in range(WARMUP):
         step_fn(iterator)
     strategy.barrier()
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     for _ in range(mine):
         step_fn(iterator)
-    _record(out, start, time.time(), mine)
+    _record(out, start, time.time(), mine, time.process_time() - cpu)
 
 
-def _record(out: str, start: float, end: float, steps: int) -> None:
+def _record(out: str, start: float, end: float, steps: int, cpu: float) -> None:
     with open(out, "a") as f:
-        f.write(json.dumps({"start": start, "end": end, "samples": steps * BATCH}) + "\n")
+        f.write(json.dumps({"start": start, "end": end, "samples": steps * BATCH, "cpu": cpu}) + "\n")
 
 
 # ---- the driver -----------------------------------------------------------------------------------
-def run_loom(way: str, steps: int) -> float:
-    """Samples/s of one loom job."""
+def run_loom(way: str, steps: int) -> tuple[float, float]:
+    """Samples/s of one loom job, and the CPU milliseconds its training processes spent per step
+    (the chief's included; the servers' not)."""
     workers = 3 if way == "coordinator" else 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.jsonl")
@@ -126,7 +128,9 @@ def run_loom(way: str, steps: int) -> float:
         if done.returncode != 0:
             raise SystemExit(f"{way} failed:\n{done.stderr[-3000:]}")
         lines = [json.loads(line) for line in Path(out).read_text().splitlines()]
-    return sum(r["samples"] for r in lines) / (max(r["end"] for r in lines) - min(r["start"] for r in lines))
+    timed = [r for r in lines if r["samples"]]  # a coordinator job: the chief's window
+    rate = sum(r["samples"] for r in timed) / (max(r["end"] for r in timed) - min(r["start"] for r in timed))
+    return rate, sum(r["cpu"] for r in lines) / steps * 1e3
 
 
 def tensorflow_python() -> str | None:
@@ -137,12 +141,12 @@ def tensorflow_python() -> str | None:
     return None
 
 
-def run_tensorflow(python: str, steps: int) -> float:
+def run_tensorflow(python: str, steps: int) -> tuple[float, float | None]:
     done = subprocess.run([python, str(Path(__file__).with_name("tf_ps_coordinator.py")), str(steps)], capture_output=True,
                           text=True, timeout=900)  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"tensorflow failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])["samples_per_sec"]
+    return json.loads(done.stdout.strip().splitlines()[-1])["samples_per_sec"], None  # one process: no CPU split
 
 
 def plot(medians: dict[str, float], path: Path) -> None:
@@ -175,15 +179,22 @@ def main() -> None:
     if python:
         ways["TF ParameterServerStrategy"] = lambda: run_tensorflow(python, args.steps)
     rates: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
+    loads = [os.getloadavg()[0]]
     for round_ in range(args.rounds):
         for name, run in ways.items():
-            rates[name].append(run())
-            print(f"round {round_ + 1}: {name}: {rates[name][-1]:.0f} samples/s", flush=True)
+            rate, used = run()
+            rates[name].append(rate)
+            cpu[name].append(used)
+            loads.append(os.getloadavg()[0])
+            print(f"round {round_ + 1}: {name}: {rate:.0f} samples/s" + (f", {used:.1f} CPU ms/step" if used else ""), flush=True)
     medians = {name: statistics.median(values) for name, values in rates.items()}
     ratio = medians["loom ClusterCoordinator"] / medians["loom per-worker loop"]
-    print(f"ClusterCoordinator / per-worker loop: {ratio:.2f}")
+    cpu_ratio = statistics.median(cpu["loom ClusterCoordinator"]) / statistics.median(cpu["loom per-worker loop"])
+    print(f"ClusterCoordinator / per-worker loop: {ratio:.2f} (samples/s), {cpu_ratio:.2f} (CPU per step)")
     results = {"steps": args.steps, "rounds": args.rounds, "batch": BATCH, "samples_per_sec": rates, "median": medians,
-               "coordinator_over_loop": ratio, "cores": os.cpu_count(), "load_average_at_end": os.getloadavg()[0],
+               "coordinator_over_loop": ratio, "cpu_ms_per_step": cpu, "coordinator_over_loop_cpu": cpu_ratio,
+               "cores": os.cpu_count(), "load_average_1min": loads,
                "tensorflow": "ran" if python else "not installed here (import tensorflow failed): left out"}  # fmt: skip
     if python:
         results["coordinator_over_tensorflow"] = medians["loom ClusterCoordinator"] / medians["TF ParameterServerStrategy"]
