@@ -149,18 +149,23 @@ def run_tensorflow(python: str, steps: int) -> tuple[float, float | None]:
     return json.loads(done.stdout.strip().splitlines()[-1])["samples_per_sec"], None  # one process: no CPU split
 
 
-def plot(medians: dict[str, float], path: Path) -> None:
+def plot(results: dict, path: Path) -> None:
+    """Median samples/s and CPU ms per step of each way, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    names = list(medians)
-    bars = ax.barh(names, [medians[n] for n in names], color=["#4c72b0", "#dd8452", "#55a868"][: len(names)])
-    ax.bar_label(bars, fmt="%.0f")
-    ax.set_xlabel("samples/s (median of interleaved rounds)")
-    ax.set_title("TF's PS tutorial shape: 2 servers, 2 workers running steps")
+    names = list(results["median"])
+    cpu = {n: statistics.median(v) for n, v in results["cpu_ms_per_step"].items() if None not in v}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
+    colors = ["#4c72b0", "#dd8452", "#55a868"]
+    left.bar_label(left.barh(names, [results["median"][n] for n in names], color=colors[: len(names)]), fmt="%.0f")
+    left.set_xlabel("samples/s (median)")
+    right.bar_label(right.barh(list(cpu), list(cpu.values()), color=colors[: len(cpu)]), fmt="%.1f")
+    right.set_xlabel("CPU ms per step, training processes (median)")
+    right.set_yticks([])
+    fig.suptitle(f"TF's PS tutorial shape, 2 servers, 2 workers running steps: {results['rounds']} interleaved rounds")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -199,7 +204,7 @@ def main() -> None:
     if python:
         results["coordinator_over_tensorflow"] = medians["loom ClusterCoordinator"] / medians["TF ParameterServerStrategy"]
     print(f"saved {save('ps_coordinator', results)}")
-    plot(medians, RESULTS / "ps_coordinator.png")
+    plot(results, RESULTS / "ps_coordinator.png")
 
 
 if __name__ == "__main__":
