@@ -10,6 +10,7 @@ from loom.strategies.parameter_server.coordinator import PerWorkerDataset, _pack
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.schedule import Schedule
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.wire import WireError
 from tests.strategies.parameter_server.test_server import push
 
 
@@ -115,3 +116,19 @@ def test_a_coordinator_without_workers_and_a_worker_without_its_coordinator_stop
     worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 0}})  # the chief ended well: its steps are still queued
     with pytest.raises(LoomError, match=r"the coordinator \(worker 0, the chief\) ended \(exit code 1\) with 1 of this worker's"):
         worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 1}})
+
+
+def test_a_worker_gives_a_result_and_takes_the_next_step_in_one_request_and_none_is_not_kept():
+    schedule = Schedule()
+    schedule.handle({"do": "add", "first": 0, "names": ["step"] * 3}, {}, {})
+    assert take(schedule, 1, 100)["run"] == 0
+    asking = {"worker": 1, "pid": 100, "below": 3}
+    reply, _ = schedule.handle({"do": "done", "number": 0, "result": {"value": None}, **asking}, {}, {})
+    assert reply == {"run": 1, "name": "step"} and schedule.results == {}  # a None result: done, nothing kept
+    reply, _ = schedule.handle({"do": "done", "number": 1, "result": {"tensor": "0"}, **asking}, {"r/0": torch.ones(1)}, {})
+    assert reply == {"run": 2, "name": "step"}
+    fields, tensors = status(schedule, 3, want=[0, 1])
+    assert fields["results"] == {"0": {"value": None}, "1": {"tensor": "0"}} and torch.equal(tensors["r/1/0"], torch.ones(1))
+    assert fields["left"] == 1 and schedule.done_below == 2 and not schedule.done_beyond
+    with pytest.raises(WireError, match="schedule add: function 5 after 3 functions"):
+        schedule.handle({"do": "add", "first": 5, "names": ["step"]}, {}, {})
