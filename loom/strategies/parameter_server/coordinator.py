@@ -166,7 +166,7 @@ class ClusterCoordinator:
             if reply is None:
                 reply, tensors = self._status(below, POLL, want) if self.is_coordinator else self._take(below, want)
             if "run" in reply:
-                reply, tensors = self._run(reply["run"], reply["name"], self._asking(below, want))
+                reply, tensors = self._run(reply["run"], reply["name"], reply["again"], self._asking(below, want))
                 continue
             if reply["error"]:
                 raise LoomError(reply["error"])
@@ -213,9 +213,10 @@ class ClusterCoordinator:
                 "reach the coordinator's join() or fetch() (every process runs the same script)"
             )
 
-    def _run(self, number: int, name: str, asking: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    def _run(self, number: int, name: str, again: bool, asking: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Run function ``number`` here and give its result (or its error) to server 0, asking for the
-        next one in the same request (``asking``: see ``_take``); server 0's answer."""
+        next one in the same request (``asking``: see ``_take``); server 0's answer. ``again``: a dead
+        worker ran it before, so its pushes already applied are not pushed again."""
         fn, args, kwargs = self._functions[number]
         if _name(fn) != name:
             raise LoomError(
@@ -223,8 +224,10 @@ class ClusterCoordinator:
                 "must run the same script, scheduling the same functions in the same order"
             )
         variables, self.strategy.in_function = self.strategy.variables, True
-        if variables is not None:
-            variables.closure, variables.closure_pushes = number, 0
+        if variables is not None and again:
+            variables.rerunning(number)
+        elif variables is not None:
+            variables.closure, variables.closure_pushes, variables.closure_applied = number, 0, set()
         tensors: dict[str, torch.Tensor] = {}
         result, error = None, None
         try:

@@ -36,6 +36,7 @@ class Schedule:
         self.queue: list[int] = []  # waiting for a worker: a heap, oldest first
         self.taken: dict[int, tuple[int, int]] = {}  # number -> (worker index, pid) running it
         self.pids: dict[int, int] = {}  # worker index -> the process that last asked for work
+        self.again: set[int] = set()  # given back after its worker died: its pushes may be applied already
         self.done_below = 0  # every function below this number has run
         self.done_beyond: set[int] = set()  # and these, above it
         self.results: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # those that returned something
@@ -59,13 +60,16 @@ class Schedule:
                 self._arrived(fields["worker"], fields["pid"])
                 mine = [n for n, taker in self.taken.items() if taker == (fields["worker"], fields["pid"])]
                 if mine:  # the reply that gave it was lost: a worker runs one function at a time
-                    return {"run": min(mine), "name": self.names[min(mine)]}, {}
+                    return self._give(min(mine))
             self._changed.wait_for(lambda: self._ready(fields, do), min(float(fields.get("wait", 0.0)), POLL))
             if do == "take" and self.error is None and self.queue and self.queue[0] < fields["below"]:
                 number = heapq.heappop(self.queue)
                 self.taken[number] = (fields["worker"], fields["pid"])
-                return {"run": number, "name": self.names[number]}, {}
+                return self._give(number)
             return self._status(fields, finished)
+
+    def _give(self, number: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return {"run": number, "name": self.names[number], "again": number in self.again}, {}
 
     def settle(self, finished: set[str]) -> None:
         """Workers done for good: what they were running goes back to the queue."""
@@ -91,6 +95,7 @@ class Schedule:
         for number in numbers:
             del self.taken[number]
             heapq.heappush(self.queue, number)
+            self.again.add(number)
         if numbers:
             self._changed.notify_all()
 
@@ -99,6 +104,7 @@ class Schedule:
         if number >= len(self.names):
             raise WireError(f"schedule done: no function {number} was scheduled")
         self.taken.pop(number, None)
+        self.again.discard(number)
         if number in self.queue:  # given back while its worker was thought dead: its result stands
             self.queue.remove(number)
             heapq.heapify(self.queue)

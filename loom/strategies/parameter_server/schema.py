@@ -125,6 +125,7 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
     "write": ({"name": text, "start": lambda v: integer(v) and v >= 0}, {"slots": numbers}, frozenset({"value", "whole/", "slot/"})),
     "lineage": ({}, {"add": lambda v: v is None or text(v)}, frozenset()),
     "stats": ({}, {}, frozenset()),
+    "closures": ({"closure": lambda v: integer(v) and v >= 0}, {}, frozenset()),
     "schedule": (
         {"do": lambda v: v in ("add", "take", "done", "status")},
         {"first": lambda v: integer(v) and v >= 0, "names": texts, "worker": index, "pid": integer, "below": lambda v: integer(v) and v >= 0,

@@ -163,6 +163,9 @@ class ParameterServer:
             return {}, {}
         if op == "lineage":  # with "add": record that this state is now that checkpoint's, or descends from it
             return {"lineage": self._add_lineage(fields.get("add"))}, {}
+        if op == "closures":  # the pushes of scheduled function ``closure`` applied here
+            with self._seq_lock:
+                return {"applied": sorted(t for t in self.closures if t.startswith(f"{fields['closure']}."))}, {}
         if op == "stats":
             stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
             return {**stats, "progress": dict(self.progress)}, {}

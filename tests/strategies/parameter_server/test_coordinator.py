@@ -9,8 +9,12 @@ from loom.errors import LoomError
 from loom.strategies.parameter_server.coordinator import PerWorkerDataset, _pack, _unpack
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.schedule import Schedule
+from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.partitioner import place
 from loom.strategies.parameter_server.server import ParameterServer
+from loom.strategies.parameter_server.variables import ShardedVariables
 from loom.strategies.parameter_server.wire import WireError
+from tests.helpers import free_port
 from tests.strategies.parameter_server.test_server import push
 
 
@@ -27,12 +31,12 @@ def test_a_dead_workers_step_goes_back_to_the_front_of_the_queue():
     schedule.handle({"do": "add", "first": 0, "names": ["step"] * 4}, {}, {})
     assert take(schedule, 1, 100)["run"] == 0 and take(schedule, 2, 200)["run"] == 1
     assert take(schedule, 2, 200)["run"] == 1  # its reply was lost: the same step again, never a second one
-    assert take(schedule, 2, 201)["run"] == 1  # worker 2's successor: its predecessor's step first
+    assert take(schedule, 2, 201) == {"run": 1, "name": "step", "again": True}  # worker 2's successor: its predecessor's step first
     schedule.handle({"do": "done", "number": 0, "worker": 1, "result": {"value": 7}}, {}, {})
     assert take(schedule, 1, 100)["run"] == 2
     schedule.settle({"1"})  # worker 1 is done for good: step 2 is run by another
     assert take(schedule, 3, 300)["run"] == 2
-    assert take(schedule, 3, 300, below=2) == {"run": 2, "name": "step"}
+    assert take(schedule, 3, 300, below=2) == {"run": 2, "name": "step", "again": True}
     fields, _ = status(schedule, 4, want=[0])
     assert fields["left"] == 3 and fields["results"] == {"0": {"value": 7}} and fields["unknown"] == 0
     assert fields["finished"] == {"2": -9}  # as the launchers told server 0
@@ -124,11 +128,30 @@ def test_a_worker_gives_a_result_and_takes_the_next_step_in_one_request_and_none
     assert take(schedule, 1, 100)["run"] == 0
     asking = {"worker": 1, "pid": 100, "below": 3}
     reply, _ = schedule.handle({"do": "done", "number": 0, "result": {"value": None}, **asking}, {}, {})
-    assert reply == {"run": 1, "name": "step"} and schedule.results == {}  # a None result: done, nothing kept
+    assert reply == {"run": 1, "name": "step", "again": False} and schedule.results == {}  # a None result: done, nothing kept
     reply, _ = schedule.handle({"do": "done", "number": 1, "result": {"tensor": "0"}, **asking}, {"r/0": torch.ones(1)}, {})
-    assert reply == {"run": 2, "name": "step"}
+    assert reply == {"run": 2, "name": "step", "again": False}
     fields, tensors = status(schedule, 3, want=[0, 1])
     assert fields["results"] == {"0": {"value": None}, "1": {"tensor": "0"}} and torch.equal(tensors["r/1/0"], torch.ones(1))
     assert fields["left"] == 1 and schedule.done_below == 2 and not schedule.done_beyond
     with pytest.raises(WireError, match="schedule add: function 5 after 3 functions"):
         schedule.handle({"do": "add", "first": 5, "names": ["step"]}, {}, {})
+
+
+def test_a_step_run_again_pushes_only_what_its_dead_run_did_not_apply():
+    """Its first push was applied (on every server it was for: the launcher settled it), so the
+    new run sends none of it, wherever its own batch's rows would go; its second push goes."""
+    server = ParameterServer("secret", {"w": torch.zeros(2)}, {}, ServerOptimizer("SGD", [{"lr": 1.0}]))
+    client = ServerClient(f"127.0.0.1:{server.serve(free_port())}", "secret", patience=2)
+    try:
+        assert push(client, {"worker": "worker-2.20", "seq": 0, "closure": "4.0"}, {"grad/w": -torch.ones(2)})
+        assert client.call({"op": "closures", "closure": 4})[0]["applied"] == ["4.0"]
+        variables = ShardedVariables([client], place({"w": 8}, {}, 1), "worker-1.10", 1)
+        variables.rerunning(4)
+        pulled, _ = variables.push({"w": -torch.ones(2)}, {}, then_pull=["w"])
+        assert pulled["w"].tolist() == [1.0, 1.0] and variables.clock == 0  # not pushed: read as after it
+        pulled, _ = variables.push({"w": -torch.ones(2)}, {}, then_pull=["w"])
+        assert pulled["w"].tolist() == [2.0, 2.0] and client.call({"op": "closures", "closure": 4})[0]["applied"] == ["4.0", "4.1"]
+    finally:
+        client.close()
+        server.stop()
