@@ -81,8 +81,9 @@ class ClusterCoordinator:
       reads it.
     - A step whose worker dies goes back to the front of the queue once the worker's launcher
       has settled its last push, and another worker (or the dead one's successor) runs it. Its
-      pushes carry the step's number, so the servers apply its update exactly once: a worker
-      that died after its update was applied has the step run again for its return value only.
+      pushes carry the step's number; the new run sends only those no server applied, and the
+      servers apply each once: a worker that died after its update was applied has the step run
+      again for its return value only.
 
     Not as in TF: ``args`` are each process's own (compute them alike on every process); a
     ``RemoteValue`` is refused as an argument; state a function changes on its worker (a metric
