@@ -20,6 +20,7 @@ from loom.strategies import (
     get_strategy,
     unwrap,
 )
+from loom.strategies.parameter_server import ClusterCoordinator, RemoteValue
 from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit, predict
 from loom.train.export import export
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Callback",
+    "ClusterCoordinator",
     "ClusterError",
     "ClusterSpec",
     "DiLoCoStrategy",
@@ -47,6 +49,7 @@ __all__ = [
     "PipelineStrategy",
     "ReduceOp",
     "RankFailureError",
+    "RemoteValue",
     "ShardedStrategy",
     "Strategy",
     "TensorBoard",

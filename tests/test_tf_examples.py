@@ -59,3 +59,19 @@ def test_tpu_on_eight_virtual_devices(tmp_path):
     out = run_example("tf_tpu.py", tmp_path, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     assert "All devices: 8 replicas on 1 host(s)" in out
     assert accuracy("TPUStrategy, 8 replicas: test accuracy: ", out) >= 0.8
+
+
+def test_parameter_server_coordinator_with_tf_configs_chief(tmp_path):
+    """TF's cluster, each task its own ``loom run``: the chief coordinates, the two workers run the steps."""
+    cluster = {role: [f"127.0.0.1:{free_port()}" for _ in range(count)] for role, count in (("chief", 1), ("worker", 2), ("ps", 1))}
+    tasks = []
+    for kind, index in (("ps", 0), ("chief", 0), ("worker", 0), ("worker", 1)):
+        config = {"cluster": cluster, "task": {"type": kind, "index": index}}
+        env = job_env({**CHEAP, "TF_EXAMPLE_EPOCHS": "4", "LOOM_PS_TOKEN": "coordinator-example", "TF_CONFIG": json.dumps(config)})
+        tasks.append(subprocess.Popen([*LOOM, "run", str(EXAMPLES / "tf_parameter_server.py")], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+    (code_ps, _, err_ps), (code0, out0, err0), *workers = wait_all(tasks, timeout=180)
+    assert code_ps == 0 and code0 == 0 and all(code == 0 for code, _, _ in workers), err0[-2000:] + "".join(e[-2000:] for _, _, e in workers)
+    assert [line.split(",")[0] for line in out0.splitlines()[:4]] == [f"Finished epoch {i}" for i in range(4)]
+    assert accuracy("Finished epoch 3, accuracy is ", out0) >= 0.9 and float(out0.split("Final loss is ")[1]) < 0.5
+    assert all(out == "" for _, out, _ in workers)  # the workers ran the steps; the coordinator printed

@@ -147,8 +147,11 @@ class TFNames:
         process) and ``get_per_replica_batch_size(global_batch)``. Batches arrive on ``strategy.device``.
         """
         _no_options("distribute_datasets_from_function", options)
-        ctx = InputContext(self.num_replicas_in_sync, self.replica_id, self.num_replicas_in_sync)
-        return OnDevice(dataset_fn(ctx), self.device)
+        return OnDevice(dataset_fn(self._input_context()), self.device)
+
+    def _input_context(self) -> InputContext:
+        """Which input pipeline this process builds: one per process, each feeding one replica."""
+        return InputContext(self.num_replicas_in_sync, self.replica_id, self.num_replicas_in_sync)
 
     def __getattr__(self, name: str) -> Any:
         if name in EQUIVALENTS:

@@ -110,7 +110,7 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
     "push": (
         {"worker": text, "seq": integer},
         {"index": index, "sync": lambda v: v is None or (count(v) and v > 0), "hyper": lambda v: v is None or groups(v),
-         "based_on": lambda v: v is None or integer(v), "parts": integers},
+         "based_on": lambda v: v is None or integer(v), "parts": integers, "closure": text},
         frozenset({"grad/", "rowids/", "rowgrad/"}),
     ),  # fmt: skip
     "commit": ({"worker": text, "seq": integer}, {"names": texts}, frozenset({"ids/"})),
@@ -125,6 +125,13 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
     "write": ({"name": text, "start": lambda v: integer(v) and v >= 0}, {"slots": numbers}, frozenset({"value", "whole/", "slot/"})),
     "lineage": ({}, {"add": lambda v: v is None or text(v)}, frozenset()),
     "stats": ({}, {}, frozenset()),
+    "closures": ({"closure": lambda v: integer(v) and v >= 0}, {}, frozenset()),
+    "schedule": (
+        {"do": lambda v: v in ("add", "take", "done", "status")},
+        {"first": lambda v: integer(v) and v >= 0, "names": texts, "worker": index, "pid": integer, "below": lambda v: integer(v) and v >= 0,
+         "want": integers, "wait": wait, "number": lambda v: integer(v) and v >= 0, "result": anything, "error": lambda v: v is None or text(v)},
+        frozenset({"r/"}),
+    ),  # fmt: skip
 }
 MEET_GIVING = ("number", "workers", "reduce")  # a "meet" that is not asking for "next" gives a value to one collective
 

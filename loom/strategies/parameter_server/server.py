@@ -35,6 +35,7 @@ from loom.strategies.parameter_server import schema, state_file, wal
 from loom.strategies.parameter_server.collectives import Meetings
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.rounds import Round
+from loom.strategies.parameter_server.schedule import Schedule
 from loom.strategies.parameter_server.service import Service
 from loom.strategies.parameter_server.state_file import LostUpdatesError, lost_message
 from loom.strategies.parameter_server.transport import TLS
@@ -77,6 +78,8 @@ class ParameterServer:
         self._seq_lock = threading.Lock()
         self._service: Service | None = None
         self.meetings = Meetings()  # reduce/gather/barrier over the workers (server 0's)
+        self.schedule = Schedule()  # a ClusterCoordinator's functions (server 0's)
+        self.closures: set[str] = set()  # the scheduled functions' pushes applied in this run (``ClusterCoordinator``)
         self.lineage: list[str] = []  # checkpoints this state was saved to or restored from, newest last
         self.log: wal.WriteAheadLog | None = None  # set by ``recover``: every change is logged before it is acknowledged
         self._log_lock = threading.Lock()  # innermost: orders the log's records
@@ -145,11 +148,14 @@ class ParameterServer:
         if op == "finish":
             self._finish(str(fields["worker"]), fields["code"])
             self.meetings.settle(set(self.finished))  # nor does a collective
+            self.schedule.settle(set(self.finished))  # and what it was running goes to another worker
             return {}, {}
         if op == "meet":
             if fields.get("next"):
                 return {"next": self.meetings.next.get(str(fields["worker"]), 0)}, {}
             return self.meetings.meet(fields, tensors.get("value"), set(self.finished))
+        if op == "schedule":
+            return self.schedule.handle(fields, tensors, dict(self.finished))
         if op == "read":
             return self._read_chunk(fields["name"], fields["start"], fields["budget"])
         if op == "write":
@@ -157,6 +163,9 @@ class ParameterServer:
             return {}, {}
         if op == "lineage":  # with "add": record that this state is now that checkpoint's, or descends from it
             return {"lineage": self._add_lineage(fields.get("add"))}, {}
+        if op == "closures":  # the pushes of scheduled function ``closure`` applied here
+            with self._seq_lock:
+                return {"applied": sorted(t for t in self.closures if t.startswith(f"{fields['closure']}."))}, {}
         if op == "stats":
             stats = {"applied": dict(self.applied), "version": self.version, "round": self.round, "staleness": self.staleness}
             return {**stats, "progress": dict(self.progress)}, {}
@@ -297,7 +306,7 @@ class ParameterServer:
         worker, seq, index, sync = (fields.get(k) for k in ("worker", "seq", "index", "sync"))
         if sync is None:
             with self._holding(tensors):
-                if not self._first_time(worker, seq):
+                if not self._first_time(worker, seq, fields.get("closure")):
                     return False
                 self._step(tensors, fields.get("hyper"))
                 self._count(fields, tensors)
@@ -328,12 +337,18 @@ class ParameterServer:
                 self.version += 1
             self._record({"op": "commit", "push": fields}, tensors)
 
-    def _first_time(self, worker: str, seq: int) -> bool:
+    def _first_time(self, worker: str, seq: int, closure: str | None = None) -> bool:
+        """A push not applied before; ``closure``: a scheduled function's push, applied once whichever
+        worker runs the function (it runs again when its worker died, maybe after this push)."""
         with self._seq_lock:
             self._staged.pop((worker, seq), None)
             if seq <= self._last_seq.get(worker, -1):
                 return False
             self._last_seq[worker] = seq
+            if closure in self.closures:
+                return False
+            if closure is not None:
+                self.closures.add(closure)
             return True
 
     @contextlib.contextmanager
@@ -393,7 +408,7 @@ class ParameterServer:
     def new_run(self) -> None:
         """A new run of the job from this state: no worker has joined or finished yet."""
         with self._seq_lock:
-            self.joined, self.finished = set(), {}
+            self.joined, self.finished, self.closures = set(), {}, set()
             self._record({"op": "new_run"})
 
     def _finish(self, worker: str, code: int) -> None:

@@ -68,6 +68,7 @@ def save(server: ParameterServer, path: str | os.PathLike) -> None:
             "version": server.version,
             "applied": server.applied,
             "last_seq": server._last_seq,
+            "closures": sorted(server.closures),
             "staleness": server.staleness,
             "created": server.created,
             "progress": server.progress,
@@ -108,6 +109,7 @@ def restore(cls: type[ParameterServer], token: str, path: str | os.PathLike) -> 
     server = cls(token, dense, tables, optimizer)
     server.created = meta["created"]
     server.version, server.applied, server._last_seq = meta["version"], meta["applied"], meta["last_seq"]
+    server.closures = set(meta.get("closures", []))
     server.staleness = {int(k): v for k, v in meta["staleness"].items()}
     server.progress, server.joined, server.finished = meta["progress"], set(meta["joined"]), meta["finished"]
     server.round = meta["round"]

@@ -17,6 +17,7 @@ import os
 import time
 import uuid
 from collections import deque
+from numbers import Number
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -34,6 +35,7 @@ from loom.strategies.parameter_server.refusals import refuse_batchnorm, refuse_t
 from loom.strategies.parameter_server.remote_embedding import RemoteEmbedding
 from loom.strategies.optimizer import check_owned
 from loom.strategies.precision import canonical
+from loom.strategies.tf_compat import InputContext, reduce_arguments
 from loom.strategies.parameter_server.variables import ShardedVariables, worker_name
 from loom.strategies.parameter_server.worker_optimizer import ParameterServerOptimizer, server_rule
 
@@ -90,6 +92,9 @@ class ParameterServerStrategy(Strategy):
                 "once; use precision='bf16-mixed', or asynchronous training"
             )
         self.variables: ShardedVariables | None = None
+        self.coordinated = False  # a ClusterCoordinator schedules the steps: the chief coordinates, the others run them
+        self.in_function = False  # a worker is running a scheduled function
+        self._optimizers_prepared: list[ParameterServerOptimizer] = []
         self.rate_window = RATE_WINDOW
         self._samples: deque[tuple[float, dict[str, int]]] = deque([(time.monotonic(), {})])  # (when, steps per worker)
 
@@ -174,9 +179,29 @@ class ParameterServerStrategy(Strategy):
         opt = ParameterServerOptimizer(inner, model, self.variables, self.num_workers, self.staleness, self.synchronous,
                                        trained=groups, precision=self.precision, should_step=lambda: self.sync_gradients,
                                        lazy_rows=self.lazy_rows or isinstance(inner, torch.optim.SparseAdam))  # fmt: skip
-        for name, value in self.variables.pull_dense(list(opt.dense)).items():
-            opt.dense[name].data.copy_(value)
+        self._optimizers_prepared.append(opt)
+        self._pull_latest()
         return self.precision.wrap(model), opt
+
+    def _pull_latest(self) -> None:
+        """The prepared models' dense parameters, as the servers hold them now (tables are read as used)."""
+        for opt in self._optimizers_prepared:
+            for name, value in self._prepared().pull_dense(list(opt.dense)).items():
+                opt.dense[name].data.copy_(value)
+
+    def _input_context(self) -> InputContext:
+        """Under a ClusterCoordinator one input pipeline per worker that runs steps (the chief runs none),
+        each step one replica's, as in TF; else one per worker."""
+        if self.coordinated:
+            return InputContext(self.num_workers - 1, self.worker - 1, 1)
+        return super()._input_context()
+
+    def reduce(self, value: torch.Tensor | Number, op: str = "mean", axis: int | None = None) -> torch.Tensor | Number:
+        """Over every worker, as ``Strategy.reduce``; inside a scheduled function over its one replica, as
+        TF's reduce inside a ClusterCoordinator's function is over that worker's replicas."""
+        if self.in_function:
+            return reduce_arguments(value, op, axis)[0]
+        return super().reduce(value, op, axis)
 
     def prefetch(self, model: nn.Module, ids: dict[str, torch.Tensor]) -> None:
         """Have this step's ``optimizer.step()`` bring the rows the next batch needs: ``ids`` maps
@@ -326,6 +351,11 @@ class ParameterServerStrategy(Strategy):
         return preemption.requested()
 
     def _collectives(self) -> Collectives:
+        if self.in_function:
+            raise LoomError(
+                "gather and barrier inside a scheduled function would wait for workers running other steps; "
+                "return the value and combine the fetched results on the coordinator"
+            )
         if "_meet" not in self.__dict__:
             self._meet = Collectives(ServerClient(self.servers[0], self.token), self.worker, self.num_workers, self.timeout)
         return self._meet

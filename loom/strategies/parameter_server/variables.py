@@ -36,6 +36,9 @@ class ShardedVariables:
         self.seen: dict[int, int] = {}  # server -> the newest version this worker has seen there
         self._splits: deque[tuple[str, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]] = deque(maxlen=4)
         self._last_push: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}  # server -> request
+        self.closure: int | None = None  # the scheduled function running (``ClusterCoordinator``): its pushes are tagged
+        self.closure_pushes = 0  # pushes in it so far
+        self.closure_applied: set[str] = set()  # its pushes a dead worker's run of it applied: not pushed again
 
     def _fan_out(self, requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]]) -> dict[int, tuple[dict, dict]]:
         sent = {s: self.clients[s].send({**fields, "seen": self.seen.get(s, -1)}, tensors) for s, (fields, tensors) in requests.items()}
@@ -173,12 +176,19 @@ class ShardedVariables:
         With ``sync`` (the number of workers) the push is this worker's share of round
         ``clock``, and every server gets one, even an empty one, so that it can count the round.
         """
+        tag = None if self.closure is None else f"{self.closure}.{self.closure_pushes}"
+        if tag is not None:
+            self.closure_pushes += 1
+            if tag in self.closure_applied:  # an earlier run of this function applied it: read what it would have
+                return self.pull(then_pull or [], then_rows or {})
         requests: dict[int, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
 
         def share(server: int) -> dict[str, torch.Tensor]:
             if server not in requests:
                 fields = {"op": "push", "worker": self.worker, "index": self.index, "seq": self.clock, "sync": sync, "hyper": hyper}
                 requests[server] = ({**fields, "based_on": self.versions.get(server)}, {})
+                if tag is not None:  # applied once, whichever worker runs the function
+                    requests[server][0]["closure"] = tag
             return requests[server][1]
 
         if sync is not None:
@@ -221,6 +231,13 @@ class ShardedVariables:
     def _deliver(self, server: int, commit: dict[str, Any]) -> None:
         self._call(server, *self._last_push[server])
         self._call(server, commit)
+
+    def rerunning(self, closure: int) -> None:
+        """Run scheduled function ``closure`` again (its worker died): its pushes that any server
+        applied (the launcher applied a dead worker's push on every server it was for, or on none)
+        are not pushed again; the others are."""
+        self.closure, self.closure_pushes = closure, 0
+        self.closure_applied = {t for s in range(len(self.clients)) for t in self._call(s, {"op": "closures", "closure": closure})[0]["applied"]}
 
     def join_rounds(self) -> None:
         """Synchronous training: start at the oldest round a server still waits for.
