@@ -1,4 +1,4 @@
-"""A parameter-server job ends when its chief cannot start: its optimizer (RMSprop) is refused.
+"""A parameter-server job ends when its chief cannot start: its optimizer (NAdam) is refused.
 
 Before, the other worker waited for ever for variables the chief would never create, and the
 servers for that worker. Now every task exits, and the chief's launcher names it and why: on one
@@ -15,7 +15,7 @@ from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env
 SCRIPT = str(SCRIPTS / "ps_refused.py")
 TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
 WITHIN = 60  # seconds every task has, once the chief has failed
-REFUSED = "failed: ValueError: RMSprop cannot run on the parameter servers; use SGD"
+REFUSED = "failed: ValueError: NAdam cannot run on the parameter servers; use SGD"
 
 
 def _ends(procs: list[subprocess.Popen], limit: float) -> list[float]:

@@ -161,8 +161,8 @@ def test_two_workers_train_on_their_own_and_the_loss_falls(servers):
 
 def test_optimizers_the_servers_cannot_run_are_named(servers):
     strategy = ParameterServerStrategy(servers, token="job-token")
-    with pytest.raises(ValueError, match="RMSprop cannot run on the parameter servers; use SGD"):
-        strategy.prepare(Clicks(), lambda p: torch.optim.RMSprop(p))
+    with pytest.raises(ValueError, match="NAdam cannot run on the parameter servers; use SGD"):
+        strategy.prepare(Clicks(), lambda p: torch.optim.NAdam(p))
 
 
 def _race(servers, staleness, steps=30):
