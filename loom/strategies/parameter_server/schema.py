@@ -125,6 +125,7 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
     "write": ({"name": text, "start": lambda v: integer(v) and v >= 0}, {"slots": numbers}, frozenset({"value", "whole/", "slot/"})),
     "lineage": ({}, {"add": lambda v: v is None or text(v)}, frozenset()),
     "stats": ({}, {}, frozenset()),
+    "fail": ({"reason": text}, {}, frozenset()),
 }
 MEET_GIVING = ("number", "workers", "reduce")  # a "meet" that is not asking for "next" gives a value to one collective
 

@@ -33,6 +33,7 @@ import torch
 
 from loom.strategies.parameter_server import schema, state_file, wal
 from loom.strategies.parameter_server.collectives import Meetings
+from loom.strategies.parameter_server.job_failure import PREFIX, JobFailedError
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.rounds import Round
 from loom.strategies.parameter_server.service import Service
@@ -42,6 +43,7 @@ from loom.strategies.parameter_server.wire import WireError
 
 LINEAGE_KEPT = 100
 CHANGES = frozenset({"create", "commit", "finish", "write", "lineage"})  # requests acknowledged only once their changes are logged
+AFTER_FAILURE = frozenset({"fail", "finish", "stats"})  # what a server told that the job failed still answers (job_failure.py)
 
 
 class ParameterServer:
@@ -83,12 +85,15 @@ class ParameterServer:
         self.log_from = 0  # the first log generation this state does not hold (from its snapshot)
         self.resumed_at = 0  # the version this server came back at
         self.lost: dict[str, int] | None = None  # a worker saw more than it came back with: {"seen", "resumed_at"}
+        self.failed: str | None = None  # told that another task failed the job: which, and why
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Answer one request, checked first (``schema.py``); one that changed the state only once the change is in the log."""
         op = schema.check(fields, tensors)
         self._check_seen(fields.get("seen", -1))
+        if self.failed is not None and op not in AFTER_FAILURE:
+            raise JobFailedError(PREFIX + self.failed)
         reply = self._handle(fields, tensors)
         if self.log is not None and op in CHANGES:
             self.log.sync()
@@ -145,6 +150,9 @@ class ParameterServer:
         if op == "finish":
             self._finish(str(fields["worker"]), fields["code"])
             self.meetings.settle(set(self.finished))  # nor does a collective
+            return {}, {}
+        if op == "fail":
+            self.failed = self.failed or fields["reason"]
             return {}, {}
         if op == "meet":
             if fields.get("next"):
