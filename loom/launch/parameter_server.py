@@ -209,9 +209,8 @@ class _Job:
             message, traceback = recorded["message"], recorded.get("extraInfo", {}).get("py_callstack", "")
         except (OSError, ValueError, KeyError, TypeError):
             return f"exited with code {code}"
-        if message.startswith(JOB_FAILED_BY_ANOTHER):  # the line names the task that failed; this one's traceback says nothing
-            return f"failed: {message}"
-        print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
+        if not message.startswith(JOB_FAILED_BY_ANOTHER):  # told by the servers: the line names the task that failed
+            print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
         return f"failed: {message}"
 
     def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
