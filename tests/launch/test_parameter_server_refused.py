@@ -8,6 +8,7 @@ every task ends within seconds, long before the job's timeout.
 """
 
 import json
+import socket
 import subprocess
 import time
 
@@ -72,3 +73,28 @@ def test_tasks_started_from_tf_config_all_exit_when_the_chief_is_refused(tmp_pat
         assert line.startswith("loom: job failed: worker 0, the chief (pid ") and REFUSED in line, log[-3000:]
         assert line.endswith(f"; {task} stopped"), log[-3000:]
     assert "Traceback" not in worker, worker[-3000:]  # the chief's traceback is in its own launcher's output
+
+
+def test_a_server_that_cannot_start_ends_the_tasks_of_other_launchers(tmp_path):
+    """Server 1's port is taken: its launcher fails the job and tells server 0, which refuses
+    worker 1 (waiting for a chief whose machine never came up) at once and then exits."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cluster = {"ps": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{taken.getsockname()[1]}"], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+        env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(LONG_TIMEOUT)})
+        tasks = [("ps", 0), ("worker", 0), ("ps", 1)]  # server 1 last: the others are up by the time it fails
+        procs = []
+        for kind, i in tasks:
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})
+            procs.append(_start([*LOOM, "run", SCRIPT], {**env, "TF_CONFIG": tf_config}, (tmp_path / f"{kind}{i}.log").open("w")))
+        ends = _ends(procs, limit=170)
+    assert max(ends) - ends[2] <= WITHIN, f"the last task ended {max(ends) - ends[2]:.0f}s after server 1"
+    server0, worker, server1 = ((tmp_path / f"{kind}{i}.log").read_text() for kind, i in tasks)
+    assert [p.returncode for p in procs] == [1, 1, 1], server0[-1500:] + worker[-1500:] + server1[-1500:]
+    failed = server1.splitlines()[-1]
+    assert failed.startswith("loom: job failed: parameter server 1 (127.0.0.1:") and failed.endswith("exited with code 2"), server1[-2000:]
+    assert "the port is in use" in server1
+    reason = failed.removeprefix("loom: job failed: ")
+    assert worker.splitlines()[-1] == f"loom: job failed: {reason}; worker 1 stopped", worker[-2000:]
+    assert server0.splitlines()[-1] == f"loom: job failed: {reason}; parameter server 0 stopped", server0[-2000:]
