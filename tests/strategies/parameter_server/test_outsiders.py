@@ -121,15 +121,15 @@ def test_requests_over_the_jobs_bound_are_refused_before_they_are_buffered_even_
         client.close()
 
 
-@pytest.mark.parametrize("value", ["nan", "inf", "0", "-4", "0.5", "4096", "lots"])
-def test_a_bound_that_is_not_a_size_is_one_line(value):
-    with pytest.raises(LaunchError, match=rf"^LOOM_PS_MAX_REQUEST_MB='{value}' is not a number of MiB from 1 to 2047; "):
-        message_limit({"LOOM_PS_MAX_REQUEST_MB": value})
+def test_a_bound_that_is_not_a_size_is_one_line():
+    for value in ("nan", "inf", "0", "-4", "0.5", "4096", "lots"):
+        with pytest.raises(LaunchError, match=rf"^LOOM_PS_MAX_REQUEST_MB='{value}' is not a number of MiB from 1 to 2047; "):
+            message_limit({"LOOM_PS_MAX_REQUEST_MB": value})
     assert message_limit({"LOOM_PS_MAX_REQUEST_MB": "1.5"}) == 3 * MIB // 2 and message_limit({}) == 256 * MIB
     command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(free_port())]
-    ended = subprocess.run(command, env=job_env({"LOOM_PS_TOKEN": "t", "LOOM_PS_MAX_REQUEST_MB": value}), cwd=ROOT,
+    ended = subprocess.run(command, env=job_env({"LOOM_PS_TOKEN": "t", "LOOM_PS_MAX_REQUEST_MB": "nan"}), cwd=ROOT,
                            capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert ended.returncode == 2 and ended.stderr.startswith("loom: error: LOOM_PS_MAX_REQUEST_MB=") and ended.stderr.count("\n") == 1
+    assert ended.returncode == 2 and ended.stderr.startswith("loom: error: LOOM_PS_MAX_REQUEST_MB='nan'") and ended.stderr.count("\n") == 1
 
 
 # ---- malformed requests from a caller that holds the token ------------------------------------
