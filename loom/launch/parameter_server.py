@@ -317,6 +317,8 @@ class _Job:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            if self.checkpoint_dir is None:  # this run's own temporary directory, named to no one: nothing resumes from it
+                shutil.rmtree(self.state_dir, ignore_errors=True)
         if failed:
             listed = "; ".join(f"worker {w} {why}" for w, why in sorted(failed.items()))
             others = "; the other workers completed" if len(workers_here) > len(failed) else ""

@@ -82,6 +82,7 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
         while len(read_progress(out)) < 10:  # the chief trains alone for a while
             assert time.monotonic() < deadline and all(t.poll() is None for t in tasks), wait_all(tasks, 5)
             time.sleep(0.05)
+        assert len(list(keys.glob("loom-ps-tls-*"))) == 3  # each running launcher's certificate and key, in TMPDIR
         tasks.append(task("b", *flags, "--role", "worker", "--index", "1"))
         results = wait_all(tasks, timeout=120)
         wire = capture.bytes()
@@ -93,7 +94,7 @@ def test_servers_and_workers_on_two_machines_train_and_end_together(tmp_path):
     assert b"shared-by-the-job" not in wire  # the token
     assert b'"fields"' not in wire and b"grad/" not in wire  # any request's header, or a pushed gradient's name
     assert all("every worker has finished; exiting" in stdout for _, stdout, _ in results[:2])
-    assert list(keys.glob("loom-ps-*")) and not list(keys.glob("loom-ps-tls-*"))  # each launcher's certificate and key, removed
+    assert not list(keys.glob("loom-ps-*"))  # each launcher's certificate and key, and its servers' temporary state, removed
     progress = read_progress(out)
     assert {w: max(s for v, _, s in progress if v == w) for w in (0, 1)} == {0: steps, 1: steps}
     assert min(i for i, (w, _, _) in enumerate(progress) if w == 1) >= 10  # worker 1 joined a running job
@@ -125,4 +126,4 @@ def test_a_chief_refused_on_one_machine_ends_every_task_on_both_and_their_keys(t
         assert line.startswith("loom: job failed: worker 0, the chief (pid ") and " on host-a), " in line and REFUSED in line, output[-3000:]
         assert task is None or line.endswith(f"; {task} stopped"), output[-3000:]
     assert all("with TLS" in output for output in outputs[:2]), outputs[0][-1500:]  # each launcher made a certificate
-    assert list(keys.glob("loom-ps-*")) and not list(keys.glob("loom-ps-tls-*"))  # in TMPDIR, and removed
+    assert not list(keys.glob("loom-ps-*"))  # in TMPDIR (see the test above), and removed with the servers' temporary state

@@ -42,8 +42,9 @@ def _start(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
 
 
 def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
-    log = (tmp_path / "job.log").open("w")
-    job = _start([*LOOM, "run", "--ps", "1", "--workers", "2", "--timeout", str(TIMEOUT), SCRIPT], job_env(), log)
+    log, temporary = (tmp_path / "job.log").open("w"), tmp_path / "tmp"
+    temporary.mkdir()
+    job = _start([*LOOM, "run", "--ps", "1", "--workers", "2", "--timeout", str(TIMEOUT), SCRIPT], job_env({"TMPDIR": str(temporary)}), log)
     _ends([job], limit=150)  # on a loaded machine the start alone takes a while
     output = (tmp_path / "job.log").read_text()
     assert job.returncode == 1, output[-3000:]
@@ -51,6 +52,7 @@ def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
     assert line.startswith(f"loom: job failed: worker 0, the chief (pid ") and REFUSED in line, output[-3000:]
     assert line.endswith("; stopping this job's other tasks here")
     assert output.count("Traceback (most recent call last)") == 1  # the chief's, printed once by its launcher
+    assert not list(temporary.glob("loom-ps-*"))  # the state directory the launcher made there, removed
 
 
 def test_tasks_started_from_tf_config_all_exit_when_the_chief_is_refused(tmp_path):
