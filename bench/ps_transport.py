@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workloads import save  # noqa: E402
-from loom.strategies.parameter_server.service import CHANNEL_OPTIONS  # noqa: E402
+from loom.strategies.parameter_server.transport import channel_options  # noqa: E402
 
 SIZES = [4 * 1024, 128 * 1024, 4 * 1024 * 1024]  # bytes: a few rows, a batch of rows, a dense layer
 ROUNDS = 200
@@ -51,7 +51,7 @@ def _grpc_server(port: int, ready: multiprocessing.Event, stop: multiprocessing.
 
     import grpc
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=channel_options())
     handler = grpc.method_handlers_generic_handler("bench.Echo", {"Echo": grpc.unary_unary_rpc_method_handler(_echo_bytes)})
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -68,7 +68,7 @@ def grpc_round_trips(port: int) -> dict[int, float]:
     server = multiprocessing.Process(target=_grpc_server, args=(port, ready, stop))
     server.start()
     ready.wait(30)
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=channel_options())
     call = channel.unary_unary("/bench.Echo/Echo")
     results = median_round_trips(
         lambda payload: torch.frombuffer(bytearray(call(payload.numpy().tobytes(), timeout=10)), dtype=torch.float32)

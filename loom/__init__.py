@@ -20,7 +20,6 @@ from loom.strategies import (
     get_strategy,
     unwrap,
 )
-from loom.strategies.parameter_server import ClusterCoordinator, RemoteValue
 from loom.strategies.tf_compat import InputContext, ReduceOp, compute_average_loss
 from loom.train import Callback, EarlyStopping, TensorBoard, evaluate, fit, predict
 from loom.train.export import export

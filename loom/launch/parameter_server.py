@@ -15,9 +15,11 @@ When a worker dies, its launcher settles its last push (applied on every server 
 tells every server, and the servers exit once all workers are done.
 
 A job ends when a task cannot go on: a worker's exception is named by its launcher (with its
-traceback, once); the chief failing for good (its restarts spent) fails the job, and the
-launcher stops the tasks it started. Workers on other machines that wait for the chief's
-variables give up after the job's timeout (``--timeout``/``LOOM_TIMEOUT``), naming the chief.
+traceback, once); the chief failing for good (its restarts spent), or a server that cannot
+come back, fails the job: the launcher stops the tasks it started and tells the servers on
+other machines why (``job_failure.py``), which refuse every worker from then on, so the tasks
+there stop within seconds, each launcher naming the task that failed and why. A worker other
+than the chief that fails for good does not stop the others (asynchronous training goes on).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import ctypes
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -43,6 +46,7 @@ from loom.errors import LaunchError, LoomError
 SERVER_SAVE_SECONDS = 2.0
 SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where loom.launch.worker records the exception a worker dies of
+JOB_FAILED_BY_ANOTHER = "JobFailedError: "  # how a worker told by the servers that another task failed the job records it
 TOKEN_HELP = "set the same secret in LOOM_PS_TOKEN on every machine (make one with: python -c 'import secrets; print(secrets.token_hex(16))')"
 
 
@@ -116,12 +120,19 @@ def run_parameter_server_task(entry: list[str], cluster: ParameterServerCluster,
 
     job = _Job(entry, list(cluster.servers), cluster.workers, token, options)
     hosts = [parse_endpoint(address, what="parameter server address")[0] for address in cluster.servers]
-    if "LOOM_PS_TLS_CERT" not in job.env and not all(is_loopback(host) for host in hosts):
-        here = hosts[cluster.index] if cluster.role == "ps" else socket.gethostname()
-        job.env.update(task_certificate(token, here, Path(tempfile.mkdtemp(prefix="loom-ps-tls-"))))
-    if cluster.role == "ps":
-        return job.run(servers_here=[cluster.index], workers_here=[])
-    return job.run(servers_here=[], workers_here=[cluster.index])
+    keys = None  # this task's certificate and private key: removed when the task ends, however it ends
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # a stopped launcher ends through the finally blocks
+    try:
+        if "LOOM_PS_TLS_CERT" not in job.env and not all(is_loopback(host) for host in hosts):
+            here = hosts[cluster.index] if cluster.role == "ps" else socket.gethostname()
+            keys = Path(tempfile.mkdtemp(prefix="loom-ps-tls-"))
+            job.env.update(task_certificate(token, here, keys))
+        if cluster.role == "ps":
+            return job.run(servers_here=[cluster.index], workers_here=[])
+        return job.run(servers_here=[], workers_here=[cluster.index])
+    finally:
+        if keys is not None:
+            shutil.rmtree(keys, ignore_errors=True)
 
 
 class _Job:
@@ -159,6 +170,19 @@ class _Job:
         """Where server ``index`` reports updates it came back without (``serve.py``)."""
         return self.state_dir / f"server-{index}.safetensors.lost"
 
+    def _failed_report(self, index: int) -> Path:
+        """Where server ``index`` leaves the reason another task gave for failing the job (``serve.py``)."""
+        return self.state_dir / f"server-{index}.safetensors.failed"
+
+    def _fail_job(self, reason: str, here: list[int]) -> str:
+        """Tell the servers not started here (on other machines) that the job failed; the line to end on."""
+        from loom.strategies.parameter_server.job_failure import tell_servers
+        from loom.strategies.parameter_server.transport import TLS
+
+        elsewhere = [a for i, a in enumerate(self.servers) if i not in here]
+        missed = tell_servers(elsewhere, self.token, TLS.from_env(env=self.env), reason) if elsewhere else []
+        return f"; could not tell the servers at {', '.join(missed)}: stop their tasks by hand" if missed else ""
+
     def _lost_updates(self, serving: dict[int, subprocess.Popen]) -> str | None:
         """Why the job fails, if a server here came back without updates a worker saw."""
         from loom.strategies.parameter_server.state_file import lost_message
@@ -185,7 +209,8 @@ class _Job:
             message, traceback = recorded["message"], recorded.get("extraInfo", {}).get("py_callstack", "")
         except (OSError, ValueError, KeyError, TypeError):
             return f"exited with code {code}"
-        print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
+        if not message.startswith(JOB_FAILED_BY_ANOTHER):  # told by the servers: the line names the task that failed
+            print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
         return f"failed: {message}"
 
     def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
@@ -211,13 +236,16 @@ class _Job:
                 client.close()
 
     def run(self, servers_here: list[int], workers_here: list[int]) -> int:
-        from loom.strategies.parameter_server.transport import TLS
+        from loom.strategies.parameter_server.job_failure import JOB_FAILED, PREFIX
+        from loom.strategies.parameter_server.transport import TLS, message_limit
 
         TLS.from_env(server=bool(servers_here), env=self.env)  # a half-set or unreadable TLS set-up fails here, in one line
+        message_limit(self.env)  # and so does a bad bound on requests
         self.state_dir = Path(self.checkpoint_dir or tempfile.mkdtemp(prefix="loom-ps-"))
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        for index in servers_here:
-            self._lost(index).unlink(missing_ok=True)  # a report of an earlier run: this one starts from what the files hold
+        for index in servers_here:  # reports of an earlier run: this one starts from what the files hold
+            self._lost(index).unlink(missing_ok=True)
+            self._failed_report(index).unlink(missing_ok=True)
         threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
@@ -236,10 +264,13 @@ class _Job:
                     if code == 0:
                         del serving[i]
                         continue  # every worker is done
+                    if code == JOB_FAILED:
+                        _say(f"job failed: {self._failed_report(i).read_text()}; parameter server {i} stopped")
+                        return 1
                     where = f"parameter server {i} ({self.servers[i]}, pid {proc.pid}) exited with code {code}"
                     failure = self._lost_updates({i: proc}) or (where if server_restarts[i] >= self.max_restarts else None)
                     if failure:
-                        _say(f"job failed: {failure}")
+                        _say(f"job failed: {failure}{self._fail_job(failure, servers_here)}")
                         return 1
                     del serving[i]
                     server_restarts[i] += 1
@@ -251,11 +282,15 @@ class _Job:
                         continue
                     failure = self._lost_updates(serving)  # reported before any worker could die of it
                     if failure:
-                        _say(f"job failed: {failure}")
+                        _say(f"job failed: {failure}{self._fail_job(failure, servers_here)}")
                         return 1
                     del running[worker]
-                    again = code != 0 and restarts[worker] < self.max_restarts
                     why = self._why(worker, code) if code != 0 else ""
+                    if why.startswith(f"failed: {JOB_FAILED_BY_ANOTHER}"):  # no restart: the job is over
+                        self._tell_servers(worker, proc.pid, code, finished=True)
+                        _say(f"job failed: {why.split(PREFIX, 1)[-1].removesuffix('; this worker stops')}; worker {worker} stopped")
+                        return 1
+                    again = code != 0 and restarts[worker] < self.max_restarts
                     self._tell_servers(worker, proc.pid, code, finished=not again)
                     if again:
                         restarts[worker] += 1
@@ -264,7 +299,8 @@ class _Job:
                         continue
                     if code != 0 and worker == 0:  # no chief: nobody creates, restores or saves the variables
                         stopped = "; stopping this job's other tasks here" if running or serving else ""
-                        _say(f"job failed: worker 0, the chief (pid {proc.pid}), {why}{stopped}")
+                        chief = f"worker 0, the chief (pid {proc.pid} on {socket.gethostname()}), {why}"
+                        _say(f"job failed: {chief}{stopped}{self._fail_job(chief, servers_here)}")
                         return 1
                     if code != 0:
                         failed[worker] = why
@@ -281,6 +317,8 @@ class _Job:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+            if self.checkpoint_dir is None:  # this run's own temporary directory, named to no one: nothing resumes from it
+                shutil.rmtree(self.state_dir, ignore_errors=True)
         if failed:
             listed = "; ".join(f"worker {w} {why}" for w, why in sorted(failed.items()))
             others = "; the other workers completed" if len(workers_here) > len(failed) else ""

@@ -19,6 +19,7 @@ from loom.strategies.xla import TPUStrategy  # imports JAX only when one is crea
 
 if TYPE_CHECKING:
     from loom.strategies.model_parallel.hybrid import HybridStrategy
+    from loom.strategies.parameter_server.coordinator import ClusterCoordinator, RemoteValue
     from loom.strategies.parameter_server.strategy import ParameterServerStrategy
     from loom.strategies.model_parallel.sharded import ShardedStrategy
     from loom.strategies.model_parallel.tensor_parallel import TensorParallelStrategy
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 # So do the parameter servers (gRPC: a sixth of a second in every process that never uses them).
 ON_FIRST_USE = {
     "ParameterServerStrategy": "loom.strategies.parameter_server.strategy",
+    "ClusterCoordinator": "loom.strategies.parameter_server.coordinator",
+    "RemoteValue": "loom.strategies.parameter_server.coordinator",
     "ShardedStrategy": "loom.strategies.model_parallel.sharded",
     "TensorParallelStrategy": "loom.strategies.model_parallel.tensor_parallel",
     "HybridStrategy": "loom.strategies.model_parallel.hybrid",
@@ -85,6 +88,7 @@ def auto_strategy(**options: Any) -> Strategy:
 
 __all__ = [
     "STRATEGIES",
+    "ClusterCoordinator",
     "DiLoCoStrategy",
     "FaultTolerantMirroredStrategy",
     "HybridStrategy",
@@ -95,6 +99,7 @@ __all__ = [
     "OneDeviceStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "RemoteValue",
     "ShardedStrategy",
     "Strategy",
     "TensorParallelStrategy",

@@ -1,12 +1,14 @@
-"""A parameter-server job ends when its chief cannot start: its optimizer (RMSprop) is refused.
+"""A parameter-server job ends when its chief cannot start: its optimizer (NAdam) is refused.
 
-Before, the other worker waited for ever for variables the chief would never create, and the
-servers for that worker. Now every task exits, and the chief's launcher names it and why: on one
-machine its launcher stops the others at once; with a launcher per task (TF_CONFIG), the other
-worker gives up after the job's timeout, naming the chief, and the servers follow.
+Before, the other worker waited for variables the chief would never create, and the servers
+for that worker. Now every task exits, and each launcher names the chief and why: on one
+machine its launcher stops the others at once; with a launcher per task (TF_CONFIG, as across
+machines), the chief's launcher tells the servers, which refuse the other worker at once, and
+every task ends within seconds, long before the job's timeout.
 """
 
 import json
+import socket
 import subprocess
 import time
 
@@ -14,8 +16,9 @@ from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env
 
 SCRIPT = str(SCRIPTS / "ps_refused.py")
 TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
+LONG_TIMEOUT = 300  # a job's timeout that the tasks must not wait for
 WITHIN = 60  # seconds every task has, once the chief has failed
-REFUSED = "failed: ValueError: RMSprop cannot run on the parameter servers; use SGD"
+REFUSED = "failed: ValueError: NAdam cannot run on the parameter servers; use SGD"
 
 
 def _ends(procs: list[subprocess.Popen], limit: float) -> list[float]:
@@ -39,8 +42,9 @@ def _start(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
 
 
 def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
-    log = (tmp_path / "job.log").open("w")
-    job = _start([*LOOM, "run", "--ps", "1", "--workers", "2", "--timeout", str(TIMEOUT), SCRIPT], job_env(), log)
+    log, temporary = (tmp_path / "job.log").open("w"), tmp_path / "tmp"
+    temporary.mkdir()
+    job = _start([*LOOM, "run", "--ps", "1", "--workers", "2", "--timeout", str(TIMEOUT), SCRIPT], job_env({"TMPDIR": str(temporary)}), log)
     _ends([job], limit=150)  # on a loaded machine the start alone takes a while
     output = (tmp_path / "job.log").read_text()
     assert job.returncode == 1, output[-3000:]
@@ -48,11 +52,12 @@ def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
     assert line.startswith(f"loom: job failed: worker 0, the chief (pid ") and REFUSED in line, output[-3000:]
     assert line.endswith("; stopping this job's other tasks here")
     assert output.count("Traceback (most recent call last)") == 1  # the chief's, printed once by its launcher
+    assert not list(temporary.glob("loom-ps-*"))  # the state directory the launcher made there, removed
 
 
 def test_tasks_started_from_tf_config_all_exit_when_the_chief_is_refused(tmp_path):
     cluster = {"ps": [f"127.0.0.1:{free_port()}"], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
-    env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(TIMEOUT)})
+    env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(LONG_TIMEOUT)})
     tasks = [("ps", 0), ("chief", 0), ("worker", 0)]
     procs = [
         _start([*LOOM, "run", SCRIPT], {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})},
@@ -63,10 +68,35 @@ def test_tasks_started_from_tf_config_all_exit_when_the_chief_is_refused(tmp_pat
     chief_failed = ends[1]
     assert max(ends) - chief_failed <= WITHIN, f"the last task ended {max(ends) - chief_failed:.0f}s after the chief"
     server, chief, worker = ((tmp_path / f"{kind}.log").read_text() for kind, _ in tasks)
-    assert procs[1].returncode == 1 and procs[2].returncode == 1, chief[-2000:] + worker[-2000:]
-    assert f"loom: job failed: worker 0, the chief (pid " in chief and REFUSED in chief.splitlines()[-1], chief[-3000:]
-    assert worker.splitlines()[-1] == (
-        f"loom: job finished with failures: worker 1 failed: LoomError: the chief (worker 0) did not create the variables on the "
-        f"servers within {TIMEOUT}s: it failed or has not started; see its launcher's output (--timeout or LOOM_TIMEOUT sets the wait)"
-    ), worker[-3000:]
-    assert procs[0].returncode == 0 and "every worker has finished; exiting" in server, server[-2000:]
+    assert [p.returncode for p in procs] == [1, 1, 1], server[-2000:] + chief[-2000:] + worker[-2000:]
+    assert "loom: job failed: worker 0, the chief (pid " in chief and REFUSED in chief.splitlines()[-1], chief[-3000:]
+    for log, task in ((worker, "worker 1"), (server, "parameter server 0")):
+        line = log.splitlines()[-1]
+        assert line.startswith("loom: job failed: worker 0, the chief (pid ") and REFUSED in line, log[-3000:]
+        assert line.endswith(f"; {task} stopped"), log[-3000:]
+    assert "Traceback" not in worker, worker[-3000:]  # the chief's traceback is in its own launcher's output
+
+
+def test_a_server_that_cannot_start_ends_the_tasks_of_other_launchers(tmp_path):
+    """Server 1's port is taken: its launcher fails the job and tells server 0, which refuses
+    worker 1 (waiting for a chief whose machine never came up) at once and then exits."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        cluster = {"ps": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{taken.getsockname()[1]}"], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+        env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(LONG_TIMEOUT)})
+        tasks = [("ps", 0), ("worker", 0), ("ps", 1)]  # server 1 last: the others are up by the time it fails
+        procs = []
+        for kind, i in tasks:
+            tf_config = json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})
+            procs.append(_start([*LOOM, "run", SCRIPT], {**env, "TF_CONFIG": tf_config}, (tmp_path / f"{kind}{i}.log").open("w")))
+        ends = _ends(procs, limit=170)
+    assert max(ends) - ends[2] <= WITHIN, f"the last task ended {max(ends) - ends[2]:.0f}s after server 1"
+    server0, worker, server1 = ((tmp_path / f"{kind}{i}.log").read_text() for kind, i in tasks)
+    assert [p.returncode for p in procs] == [1, 1, 1], server0[-1500:] + worker[-1500:] + server1[-1500:]
+    failed = server1.splitlines()[-1]
+    assert failed.startswith("loom: job failed: parameter server 1 (127.0.0.1:") and failed.endswith("exited with code 2"), server1[-2000:]
+    assert "the port is in use" in server1
+    reason = failed.removeprefix("loom: job failed: ")
+    assert worker.splitlines()[-1] == f"loom: job failed: {reason}; worker 1 stopped", worker[-2000:]
+    assert server0.splitlines()[-1] == f"loom: job failed: {reason}; parameter server 0 stopped", server0[-2000:]

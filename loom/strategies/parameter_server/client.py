@@ -23,8 +23,9 @@ import grpc
 import torch
 
 from loom.errors import LoomError
+from loom.strategies.parameter_server.job_failure import PREFIX, JobFailedError
 from loom.strategies.parameter_server.service import METHOD, SERVICE, STREAM, TOKEN_KEY
-from loom.strategies.parameter_server.transport import TLS, client_channel
+from loom.strategies.parameter_server.transport import MAX_REQUEST_ENV, TLS, client_channel, message_limit
 from loom.strategies.parameter_server.wire import decode, encode
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -44,6 +45,7 @@ class ServerClient:
         self.patience = patience
         self.bytes_sent = 0  # message bytes, as handed to the transport
         self.bytes_received = 0
+        self.limit = message_limit()  # the servers refuse a longer request unread: said here instead, in one line
         self._channel = client_channel(address, tls or TLS.from_env())
         self._call = self._channel.unary_unary(f"/{SERVICE}/{METHOD}")
         self._open = self._channel.stream_stream(f"/{SERVICE}/{STREAM}")
@@ -57,6 +59,11 @@ class ServerClient:
         """Send a request without waiting for its reply, so that one thread has several out at once
         (to different servers; a second request to this one while the first is out goes as a call)."""
         request = encode(fields, tensors)
+        if len(request) > self.limit:
+            raise LoomError(
+                f"a {fields.get('op')} request of {len(request) / (1 << 20):.1f} MiB to parameter server {self.address} is over the "
+                f"job's bound of {self.limit / (1 << 20):g} MiB per request; raise {MAX_REQUEST_ENV} on every task, or add servers"
+            )
         if fields.get("op") in STREAMED and self._streaming.acquire(blocking=False):
             stream = self._current_stream()
             stream.requests.put(request)
@@ -90,6 +97,8 @@ class ServerClient:
         give_up, wait = time.monotonic() + self.patience, 0.05
         while True:
             code = error.code()
+            if code == grpc.StatusCode.FAILED_PRECONDITION and (error.details() or "").startswith(PREFIX):
+                raise JobFailedError(f"{error.details()}; this worker stops") from None
             if code not in RETRYABLE:
                 raise LoomError(f"parameter server {self.address} refused {fields.get('op')}: {error.details()}") from error
             if "handshake failed" in (error.details() or "").lower():  # retrying cannot help

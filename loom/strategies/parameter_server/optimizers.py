@@ -13,6 +13,8 @@ stepped, which is the same result for less work. ``lazy_rows`` steps only the pu
 every rule, as TensorFlow's LazyAdam and torch's SparseAdam do: a row's slots (momentum, Adam's
 moments, Adagrad's sum) start at zero (Adagrad: its initial accumulator) and change only when the
 row is pushed; the step count (Adam's bias correction) is the table's, counted on every push.
+RMSprop and Adadelta decay their averages of squares on every step, so an exact table steps
+every row each push, as torch's dense step does.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ RULES: dict[str, type[torch.optim.Optimizer]] = {
     "Adagrad": torch.optim.Adagrad,
     "Adam": torch.optim.Adam,
     "AdamW": torch.optim.AdamW,
+    "RMSprop": torch.optim.RMSprop,
+    "Adadelta": torch.optim.Adadelta,
 }
 RUNTIME_OPTIONS = ("foreach", "fused", "capturable", "differentiable")  # how torch computes, not what: the server decides
 
@@ -149,7 +153,8 @@ def _tensor_slots(slots: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def _moves_untouched_rows(kind: str, hyper: dict[str, Any]) -> bool:
-    """Whether a zero gradient still moves a row: momentum, Adam's moments, weight decay."""
+    """Whether a zero gradient still moves a row or its slots: momentum, Adam's moments, weight
+    decay, RMSprop's and Adadelta's decaying averages."""
     if kind == "SGD":
         return bool(hyper.get("momentum") or hyper.get("weight_decay"))
     if kind == "Adagrad":
@@ -163,5 +168,10 @@ def _fresh_slots(kind: str, table: torch.Tensor, hyper: dict[str, Any]) -> dict[
         return {"momentum_buffer": torch.zeros_like(table)} if hyper.get("momentum") else {}
     if kind == "Adagrad":
         return {"sum": torch.full_like(table, float(hyper.get("initial_accumulator_value", 0.0)))}
-    moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if hyper.get("amsgrad") else ("exp_avg", "exp_avg_sq")
-    return {name: torch.zeros_like(table) for name in moments}
+    if kind == "RMSprop":
+        names = ["square_avg", *(["momentum_buffer"] if hyper.get("momentum") else []), *(["grad_avg"] if hyper.get("centered") else [])]
+    elif kind == "Adadelta":
+        names = ["square_avg", "acc_delta"]
+    else:
+        names = ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if hyper.get("amsgrad") else [])]
+    return {name: torch.zeros_like(table) for name in names}

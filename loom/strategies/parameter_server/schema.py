@@ -132,6 +132,7 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
          "want": integers, "wait": wait, "number": lambda v: integer(v) and v >= 0, "result": anything, "error": lambda v: v is None or text(v)},
         frozenset({"r/"}),
     ),  # fmt: skip
+    "fail": ({"reason": text}, {}, frozenset()),
 }
 MEET_GIVING = ("number", "workers", "reduce")  # a "meet" that is not asking for "next" gives a value to one collective
 

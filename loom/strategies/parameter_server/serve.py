@@ -7,7 +7,9 @@ acknowledges it (``FILE.log.<n>``, see ``wal.py``) and snapshots its state to FI
 resumes from the snapshot and the log with every update a worker saw acknowledged, each applied
 once. If a worker has seen more than it came back with (its files were removed or damaged),
 it writes the count to ``FILE.lost`` (JSON), refuses every request and exits with code
-``LOST_UPDATES``; its launcher stops the job. A snapshot that takes long (a large shard) spaces the next ones out, so
+``LOST_UPDATES``; its launcher stops the job. Told that another task failed the job
+(``job_failure.py``), it refuses the workers' requests with that reason until every worker
+is done or ``GRACE`` seconds pass, writes the reason to ``FILE.failed`` and exits with ``JOB_FAILED``. A snapshot that takes long (a large shard) spaces the next ones out, so
 that saving stays under 1/``SAVE_SHARE`` of the server's time instead of keeping a core busy and
 the variables locked (the log grows meanwhile). With
 ``--workers M`` it exits once every worker's launcher has said that worker is done for good;
@@ -25,9 +27,10 @@ import threading
 import time
 
 from loom.errors import LoomError
+from loom.strategies.parameter_server.job_failure import GRACE, JOB_FAILED
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.state_file import lost_message
-from loom.strategies.parameter_server.transport import TLS
+from loom.strategies.parameter_server.transport import TLS, message_limit
 
 SAVE_SHARE = 20  # a save waits at least this many times as long as the last one took
 LOST_UPDATES = 3  # exit code: a worker saw updates this server no longer has
@@ -49,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         tls = TLS.from_env(server=True)
+        message_limit()  # a bad bound is one line now, not gRPC's traceback when serving
     except LoomError as error:
         print(f"loom: error: {error}", file=sys.stderr)
         return 2
@@ -70,9 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     state = f" (resumed from {args.checkpoint}: {resumed})" if resumed else ""
     print(f"loom: parameter server {args.index} listening on {args.host}:{port}{' with TLS' if tls else ''}{state}", flush=True)
     next_save = time.monotonic() + args.checkpoint_every
+    failed_at = None
     while not stop.wait(0.2):
         if server.lost is not None:
             return _stop_lost(server, args.index)
+        if server.failed is not None:
+            failed_at = failed_at or time.monotonic()
+            if server.all_finished(args.workers or 0) or time.monotonic() - failed_at > GRACE:
+                return _stop_failed(server, args)
         if args.workers and server.all_finished(args.workers):
             print(f"loom: parameter server {args.index}: every worker has finished; exiting", flush=True)
             break
@@ -91,6 +100,18 @@ def _stop_lost(server: ParameterServer, index: int) -> int:
     server.stop()
     print(f"loom: parameter server {index} {lost_message(dict(server.lost or {}))}", file=sys.stderr, flush=True)
     return LOST_UPDATES
+
+
+def _stop_failed(server: ParameterServer, args: argparse.Namespace) -> int:
+    """Stop, saving what it holds, and leave the reason where the launcher reads it (``FILE.failed``)."""
+    if args.checkpoint and server.created:
+        server.save(args.checkpoint)
+    server.stop()
+    if args.checkpoint:
+        with open(f"{args.checkpoint}.failed", "w") as report:
+            report.write(server.failed or "")
+    print(f"loom: parameter server {args.index} stops: the job failed: {server.failed}", file=sys.stderr, flush=True)
+    return JOB_FAILED
 
 
 def save_interval(every: float, took: float) -> float:

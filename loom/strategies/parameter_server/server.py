@@ -31,8 +31,9 @@ from typing import Any, Iterator
 
 import torch
 
-from loom.strategies.parameter_server import schema, state_file, wal
+from loom.strategies.parameter_server import chunks, schema, state_file, wal
 from loom.strategies.parameter_server.collectives import Meetings
+from loom.strategies.parameter_server.job_failure import PREFIX, JobFailedError
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.rounds import Round
 from loom.strategies.parameter_server.schedule import Schedule
@@ -43,6 +44,7 @@ from loom.strategies.parameter_server.wire import WireError
 
 LINEAGE_KEPT = 100
 CHANGES = frozenset({"create", "commit", "finish", "write", "lineage"})  # requests acknowledged only once their changes are logged
+AFTER_FAILURE = frozenset({"fail", "finish", "stats"})  # what a server told that the job failed still answers (job_failure.py)
 
 
 class ParameterServer:
@@ -86,12 +88,15 @@ class ParameterServer:
         self.log_from = 0  # the first log generation this state does not hold (from its snapshot)
         self.resumed_at = 0  # the version this server came back at
         self.lost: dict[str, int] | None = None  # a worker saw more than it came back with: {"seen", "resumed_at"}
+        self.failed: str | None = None  # told that another task failed the job: which, and why
 
     # ---- requests ------------------------------------------------------------------------------
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """Answer one request, checked first (``schema.py``); one that changed the state only once the change is in the log."""
         op = schema.check(fields, tensors)
         self._check_seen(fields.get("seen", -1))
+        if self.failed is not None and op not in AFTER_FAILURE:
+            raise JobFailedError(PREFIX + self.failed)
         reply = self._handle(fields, tensors)
         if self.log is not None and op in CHANGES:
             self.log.sync()
@@ -149,6 +154,9 @@ class ParameterServer:
             self._finish(str(fields["worker"]), fields["code"])
             self.meetings.settle(set(self.finished))  # nor does a collective
             self.schedule.settle(set(self.finished))  # and what it was running goes to another worker
+            return {}, {}
+        if op == "fail":
+            self.failed = self.failed or fields["reason"]
             return {}, {}
         if op == "meet":
             if fields.get("next"):
@@ -222,44 +230,14 @@ class ParameterServer:
         return self.dense[name] if name in self.dense else self.tables[name]
 
     def _read_chunk(self, name: str, start: int, budget: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Rows ``start:`` of a variable and of its optimizer slots, as many as fit in ``budget`` bytes.
-
-        Slots shaped like the variable come in the same rows; other slot tensors and numbers
-        (steps) come with the first chunk. ``next`` is the row to ask for next (the row count: done).
-        """
         value = self._variable(name)
         with self._locks[name]:
-            slots = self.optimizer.state.get(name, {})
-            rowwise = {k: _rows(v) for k, v in slots.items() if _rowwise(v, value)}
-            row_bytes = sum(t[:1].numel() * t.element_size() for t in [_rows(value), *rowwise.values()])
-            end = min(len(_rows(value)), start + max(1, budget // max(row_bytes, 1)))
-            tensors = {"value": _rows(value)[start:end].clone(), **{f"slot/{k}": v[start:end].clone() for k, v in rowwise.items()}}
-            first = {}
-            if start == 0:
-                tensors.update({f"whole/{k}": v.clone() for k, v in slots.items() if isinstance(v, torch.Tensor) and k not in rowwise})
-                first = {k: v for k, v in slots.items() if isinstance(v, (int, float))}
-            return {"next": end, "rows": len(_rows(value)), "scalars": first}, tensors
+            return chunks.read(value, self.optimizer.state.get(name, {}), start, budget)
 
     def _write_chunk(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """The inverse of ``_read_chunk``. With ``slots`` (numbers, on the first chunk) the
-        variable's optimizer state is replaced by what the chunks carry; without, it is kept."""
-        name, start, rows = fields["name"], fields["start"], tensors["value"]
-        value = self._variable(name)
-        with self._locks[name]:
-            if rows.shape[1:] != _rows(value).shape[1:] or start + len(rows) > len(_rows(value)):
-                raise WireError(f"cannot write {list(rows.shape)} at row {start} of '{name}' {list(value.shape)}")
-            _rows(value)[start : start + len(rows)] = rows.to(value.dtype)
-            if "slots" in fields:
-                self.optimizer.state[name] = {**fields["slots"]}
-            state = self.optimizer.state.get(name)
-            for key, tensor in tensors.items():
-                kind, _, slot = key.partition("/")
-                if kind == "whole" and state is not None:
-                    state[slot] = tensor.clone()
-                elif kind == "slot" and state is not None:
-                    if not _rowwise(state.get(slot), value):
-                        state[slot] = torch.zeros_like(value)
-                    _rows(state[slot])[start : start + len(tensor)] = tensor
+        value = self._variable(fields["name"])
+        with self._locks[fields["name"]]:
+            chunks.write(value, self.optimizer.state, fields, tensors)
             self._record({**fields, "op": "write"}, tensors)
 
     def _tick(self, worker: int, clock: int, workers: int, lease: float) -> dict[str, Any]:
@@ -489,12 +467,3 @@ class ParameterServer:
         if self.log is not None:
             self.log.close()
 
-
-def _rowwise(slot: Any, value: torch.Tensor) -> bool:
-    """An optimizer slot shaped like its variable (momentum, Adam's moments), streamed by rows."""
-    return isinstance(slot, torch.Tensor) and slot.shape == value.shape
-
-
-def _rows(tensor: torch.Tensor) -> torch.Tensor:
-    """A view with rows to slice: a 0-d tensor as one row."""
-    return tensor.reshape(1) if tensor.dim() == 0 else tensor

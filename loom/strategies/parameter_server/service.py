@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterator
 import grpc
 import torch
 
+from loom.strategies.parameter_server.job_failure import JobFailedError
 from loom.strategies.parameter_server.state_file import LostUpdatesError
-from loom.strategies.parameter_server.transport import TLS, channel_options, listen, pool_size, server_options
+from loom.strategies.parameter_server.transport import TLS, listen, pool_size, server_options
 from loom.strategies.parameter_server.wire import WireError, decode, encode
 
 SERVICE, METHOD, STREAM = "loom.ParameterServer", "Call", "Stream"  # a call per request, or a stream of them (client.py)
 TOKEN_KEY = "loom-token"
-CHANNEL_OPTIONS = channel_options()  # at the default limit (bench/ps_transport.py)
 
 Handler = Callable[[dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 
@@ -62,7 +62,7 @@ class Service:
         try:
             fields, tensors = decode(request)
             reply_fields, reply_tensors = self.handle(fields, tensors)
-        except LostUpdatesError as error:
+        except (LostUpdatesError, JobFailedError) as error:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except (WireError, KeyError, IndexError) as error:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad request: {_line(error)}")

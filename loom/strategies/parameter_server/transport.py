@@ -1,5 +1,11 @@
 """How workers and servers reach each other: message limit, TLS, and the threads a server serves with.
 
+One message, each way, holds at most ``LOOM_PS_MAX_REQUEST_MB`` MiB (256 by default). gRPC
+refuses a longer request from the length in its frame before buffering its body, so a process
+that holds the token cannot make a server buffer more than that per call; a job whose largest
+request (the chief's ``create`` of a server's share, or a push) is small can set it lower, and a
+worker about to send more than the bound says so in one line instead of sending it.
+
 Without TLS every message, the job's token and each gradient included, crosses the network
 in clear text; loom runs that way only where every server is on loopback. Two set-ups:
 
@@ -16,6 +22,7 @@ A server's certificate must name its host (subjectAltName), as gRPC checks it li
 from __future__ import annotations
 
 import errno
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -26,20 +33,40 @@ import grpc
 
 from loom.errors import LaunchError
 
-MESSAGE_LIMIT = 256 << 20  # bytes in one gRPC message, each way
+MESSAGE_LIMIT = 256 << 20  # bytes in one gRPC message, each way, unless LOOM_PS_MAX_REQUEST_MB says otherwise
+MAX_REQUEST_ENV = "LOOM_PS_MAX_REQUEST_MB"
+GRPC_MAX_MB = 2047  # gRPC counts a message's length in a signed 32-bit integer
 CA_ENV, CERT_ENV, KEY_ENV = "LOOM_PS_TLS_CA", "LOOM_PS_TLS_CERT", "LOOM_PS_TLS_KEY"
 MIN_THREADS = 32
 SPARE_THREADS = 16  # beyond one per worker: launchers settling pushes, the chief's job report
 
 
+def message_limit(env: Mapping[str, str] | None = None) -> int:
+    """Bytes one message may hold: ``LOOM_PS_MAX_REQUEST_MB`` (MiB, a finite number from 1 to 2047), else the default."""
+    text = (os.environ if env is None else env).get(MAX_REQUEST_ENV)
+    if text is None or text == "":
+        return MESSAGE_LIMIT
+    try:
+        megabytes = float(text)
+    except ValueError:
+        megabytes = math.nan
+    if not (math.isfinite(megabytes) and 1 <= megabytes <= GRPC_MAX_MB):
+        raise LaunchError(
+            f"{MAX_REQUEST_ENV}={text!r} is not a number of MiB from 1 to {GRPC_MAX_MB}; set it to the largest request the "
+            f"job needs, or unset it for {MESSAGE_LIMIT >> 20}"
+        )
+    return int(megabytes * (1 << 20))
+
+
 def channel_options() -> list[tuple[str, int]]:
     """Read when a channel or server is made, so a test can lower the limit."""
-    return [("grpc.max_send_message_length", MESSAGE_LIMIT), ("grpc.max_receive_message_length", MESSAGE_LIMIT)]
+    limit = message_limit()
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 def chunk_bytes() -> int:
     """Tensor bytes per message when a variable is streamed in pieces (saving, restoring)."""
-    return MESSAGE_LIMIT // 4
+    return message_limit() // 4
 
 
 def pool_size(workers: int | None) -> int:

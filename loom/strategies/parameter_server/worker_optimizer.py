@@ -134,7 +134,8 @@ def server_rule(optimizer: torch.optim.Optimizer, assign: dict[str, int] | None 
     if kind is None:
         raise ValueError(
             f"{type(optimizer).__name__} cannot run on the parameter servers; use SGD (any momentum, dampening, nesterov, "
-            "weight decay), Adagrad, Adam or AdamW (amsgrad, weight decay), or torch's SparseAdam"
+            "weight decay), Adagrad, Adam or AdamW (amsgrad, weight decay), RMSprop (alpha, momentum, centered, weight decay), "
+            "Adadelta, or torch's SparseAdam"
         )
     return {"kind": kind, "groups": group_hyper(optimizer), "assign": assign or {}, "lazy_rows": lazy_rows}
 

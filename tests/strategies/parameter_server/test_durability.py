@@ -17,10 +17,10 @@ from loom.strategies.parameter_server.state_file import LostUpdatesError
 OPTIMIZER = {"kind": "Adagrad", "groups": [{"lr": 0.1}], "assign": {}, "lazy_rows": False}
 
 
-def fresh(path):
+def fresh(path, optimizer=OPTIMIZER):
     server, line = ParameterServer.recover("secret", path)
     assert line == ""  # nothing kept yet
-    server.handle({"op": "create", "optimizer": OPTIMIZER, "generate": {}}, {"dense/w": torch.ones(2, 3), "table/emb": torch.zeros(5, 4)})
+    server.handle({"op": "create", "optimizer": optimizer, "generate": {}}, {"dense/w": torch.ones(2, 3), "table/emb": torch.zeros(5, 4)})
     return server
 
 
@@ -64,6 +64,23 @@ def test_a_server_killed_after_acknowledging_comes_back_with_every_update(tmp_pa
     assert_same(back, server)
     assert back.handle({"op": "commit", "worker": "worker-0.1", "seq": 6}, {})[0] == {"applied": False, "missing": False}  # a retry: applied once
     assert wal.generations(path) == [back.log.generation]  # its own snapshot holds what it replayed
+
+
+@pytest.mark.parametrize("kind, hyper", [("RMSprop", {"lr": 0.01, "alpha": 0.9, "momentum": 0.5, "centered": True}),
+                                         ("Adadelta", {"lr": 1.0, "rho": 0.8})])  # fmt: skip
+def test_rmsprop_and_adadelta_slots_come_back_from_the_snapshot_and_the_log_and_step_on(tmp_path, kind, hyper):
+    path = tmp_path / "server-0.safetensors"
+    server = fresh(path, {"kind": kind, "groups": [hyper], "assign": {}, "lazy_rows": False})
+    push(server, "worker-0.1", 0, 0.5)
+    server.save(path)
+    push(server, "worker-0.1", 1, -1.5)
+    back, _ = ParameterServer.recover("secret", path)
+    assert_same(back, server)
+    slots = {"RMSprop": {"step", "square_avg", "momentum_buffer", "grad_avg"}, "Adadelta": {"step", "square_avg", "acc_delta"}}[kind]
+    assert set(back.optimizer.state["w"]) == slots
+    for target in (server, back):  # the next step uses the slots that came back
+        push(target, "worker-0.1", 2, 2.0)
+    assert_same(back, server)
 
 
 def test_a_killed_server_that_never_saved_comes_back_from_its_log_alone(tmp_path):

@@ -71,6 +71,8 @@ OPTIMIZERS = {
     "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=0.05),
     "adamw_weight_decay": lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.1),
+    "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(p, lr=0.01, alpha=0.9, eps=1e-6, weight_decay=0.01, momentum=0.9, centered=True),
+    "adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0, rho=0.8, eps=1e-5, weight_decay=0.01),
 }
 
 
@@ -248,7 +250,7 @@ def test_what_the_servers_cannot_run_is_refused_in_one_line(servers):  # noqa: F
     class MyAdam(torch.optim.Adam):
         pass
 
-    with pytest.raises(ValueError, match=r"^MyAdam cannot run on the parameter servers; use SGD .*Adagrad, Adam or AdamW"):
+    with pytest.raises(ValueError, match=r"^MyAdam cannot run on the parameter servers; use SGD .*Adagrad, Adam or AdamW .*RMSprop .*Adadelta"):
         strategy.prepare(Clicks(), lambda p: MyAdam(p))
     clipped = nn.Sequential(nn.Embedding(50, 8, max_norm=1.0))
     with pytest.raises(ValueError, match="embedding '0' has max_norm=1.0, which rewrites the table's rows during the forward pass"):

@@ -1,5 +1,6 @@
 """A parameter server against outsiders (refused before their requests are read) and malformed requests (refused in one line)."""
 
+import contextlib
 import json
 import random
 import struct
@@ -12,11 +13,13 @@ import grpc
 import pytest
 import torch
 
+from loom.errors import LaunchError, LoomError
 from loom.strategies.parameter_server.client import ServerClient
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.service import METHOD, SERVICE, TOKEN_KEY
-from loom.strategies.parameter_server.wire import encode
+from loom.strategies.parameter_server.transport import message_limit
+from loom.strategies.parameter_server.wire import decode, encode
 from tests.helpers import ROOT, free_port, job_env
 
 MIB = 1 << 20
@@ -29,18 +32,36 @@ def _kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
-@pytest.fixture
-def server_process():
+@contextlib.contextmanager
+def served(env=None):
     """A parameter server in its own process (``serve.py``), so its memory is its own."""
     port = free_port()
     command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(port)]
-    proc = subprocess.Popen(command, env=job_env({"LOOM_PS_TOKEN": "the-job"}), cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, env=job_env({"LOOM_PS_TOKEN": "the-job", **(env or {})}), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert "listening" in proc.stdout.readline()
         yield proc, f"127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def server_process():
+    with served() as started:
+        yield started
+
+
+def _peak_growth_mb(proc, send, count=4):
+    """How far the server's peak memory rose while ``count`` threads each ran ``send()``."""
+    Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # peak RSS starts again from now
+    before = _kib(proc.pid, "VmRSS")
+    threads = [threading.Thread(target=send) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=90)
+    return (_kib(proc.pid, "VmHWM") - before) / 1024
 
 
 def test_large_requests_without_the_token_are_refused_unread(server_process):
@@ -52,8 +73,6 @@ def test_large_requests_without_the_token_are_refused_unread(server_process):
     call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
     with pytest.raises(grpc.RpcError):  # a small one first: the server's threads and buffers are up before measuring
         call(b"hello", timeout=30)
-    Path(f"/proc/{proc.pid}/clear_refs").write_text("5")  # peak RSS starts again from now
-    before = _kib(proc.pid, "VmRSS")
     body = bytes(200 * MIB)
     codes = []
 
@@ -63,17 +82,54 @@ def test_large_requests_without_the_token_are_refused_unread(server_process):
         except grpc.RpcError as error:
             codes.append((error.code(), error.details()))
 
-    threads = [threading.Thread(target=send) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=90)
+    growth_mb = _peak_growth_mb(proc, send)
     channel.close()
-    growth_mb = (_kib(proc.pid, "VmHWM") - before) / 1024
     print(f"server peak memory growth for 4 x 200 MiB without the token: {growth_mb:.1f} MB")
     assert codes == [(grpc.StatusCode.PERMISSION_DENIED, "not a member of this job: wrong or missing token")] * 4
     assert growth_mb < 50, f"the server grew by {growth_mb:.0f} MB on requests it refused"
     assert proc.poll() is None
+
+
+def test_requests_over_the_jobs_bound_are_refused_before_they_are_buffered_even_with_the_token(monkeypatch):
+    """LOOM_PS_MAX_REQUEST_MB=16: four concurrent 100 MiB requests that carry the token are each
+    refused with the reason, the server's memory barely moves, and it serves on; a worker about
+    to send more than the bound says so in one line, naming the setting."""
+    with served({"LOOM_PS_MAX_REQUEST_MB": "16"}) as (proc, address):
+        channel = grpc.insecure_channel(address, options=[("grpc.max_send_message_length", 256 * MIB)])
+        call = channel.unary_unary(f"/{SERVICE}/{METHOD}")
+        assert decode(call(encode({"op": "ready"}), timeout=30, metadata=((TOKEN_KEY, "the-job"),)))[0] == {"ready": False}
+        body, codes = encode({"op": "pull", "names": []}, {"ids/emb": torch.zeros(100 * MIB // 8, dtype=torch.int64)}), []
+
+        def send() -> None:
+            try:
+                call(body, timeout=60, metadata=((TOKEN_KEY, "the-job"),))
+            except grpc.RpcError as error:
+                codes.append((error.code(), error.details()))
+
+        growth_mb = _peak_growth_mb(proc, send)
+        print(f"server peak memory growth for 4 x 100 MiB with the token over a 16 MiB bound: {growth_mb:.1f} MB")
+        assert [code for code, _ in codes] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4, codes
+        assert all(f"larger than max ({len(body)} vs. {16 * MIB})" in details for _, details in codes), codes
+        assert growth_mb < 50, f"the server grew by {growth_mb:.0f} MB on requests over its bound"
+        assert decode(call(encode({"op": "ready"}), timeout=30, metadata=((TOKEN_KEY, "the-job"),)))[0] == {"ready": False}
+        channel.close()
+        monkeypatch.setenv("LOOM_PS_MAX_REQUEST_MB", "16")  # as every task of the job has it
+        client = ServerClient(address, "the-job")
+        with pytest.raises(LoomError, match=r"^a push request of 20\.0 MiB to parameter server .* is over the job's bound of 16 MiB "
+                                            r"per request; raise LOOM_PS_MAX_REQUEST_MB on every task, or add servers$"):  # fmt: skip
+            client.call({"op": "push", "worker": "w", "seq": 0}, {"grad/w": torch.zeros(5 * MIB)})
+        client.close()
+
+
+def test_a_bound_that_is_not_a_size_is_one_line():
+    for value in ("nan", "inf", "0", "-4", "0.5", "4096", "lots"):
+        with pytest.raises(LaunchError, match=rf"^LOOM_PS_MAX_REQUEST_MB='{value}' is not a number of MiB from 1 to 2047; "):
+            message_limit({"LOOM_PS_MAX_REQUEST_MB": value})
+    assert message_limit({"LOOM_PS_MAX_REQUEST_MB": "1.5"}) == 3 * MIB // 2 and message_limit({}) == 256 * MIB
+    command = [sys.executable, "-m", "loom.strategies.parameter_server.serve", "--port", str(free_port())]
+    ended = subprocess.run(command, env=job_env({"LOOM_PS_TOKEN": "t", "LOOM_PS_MAX_REQUEST_MB": "nan"}), cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert ended.returncode == 2 and ended.stderr.startswith("loom: error: LOOM_PS_MAX_REQUEST_MB='nan'") and ended.stderr.count("\n") == 1
 
 
 # ---- malformed requests from a caller that holds the token ------------------------------------

@@ -47,6 +47,9 @@ RULES = {  # server rule -> torch's optimizer with the same hyper-parameters
     "adam": ("Adam", {"lr": 0.1}),
     "adam_amsgrad_maximize": ("Adam", {"lr": 0.1, "amsgrad": True, "maximize": True, "weight_decay": 0.05}),
     "adamw": ("AdamW", {"lr": 0.1, "weight_decay": 0.1}),
+    "rmsprop": ("RMSprop", {"lr": 0.01}),
+    "rmsprop_centered_momentum": ("RMSprop", {"lr": 0.01, "alpha": 0.9, "eps": 1e-6, "weight_decay": 0.05, "momentum": 0.9, "centered": True}),
+    "adadelta": ("Adadelta", {"lr": 0.5, "rho": 0.8, "eps": 1e-5, "weight_decay": 0.05, "maximize": True}),
 }
 
 
@@ -107,7 +110,7 @@ def test_lazy_adam_matches_torch_sparse_adam_and_leaves_other_rows():
     assert torch.equal(table[7], untouched)
 
 
-@pytest.mark.parametrize("rule", ["momentum", "nesterov_decay", "adagrad_decay_only"])
+@pytest.mark.parametrize("rule", ["momentum", "nesterov_decay", "adagrad_decay_only", "rmsprop_centered_momentum", "adadelta"])
 def test_lazy_rows_step_each_row_as_torch_steps_it_alone_when_pushed(rule):
     """lazy_rows: a pushed row takes torch's step on its own slots; a row not pushed does not move."""
     torch.manual_seed(2)
@@ -146,8 +149,8 @@ def test_lazy_rows_in_increasing_order_step_exactly_as_in_any_order(rule):
 
 
 def test_unknown_optimizer_is_named():
-    with pytest.raises(ValueError, match="unknown server optimizer 'RMSprop'; choose one of: SGD, Adagrad, Adam, AdamW"):
-        ServerOptimizer("RMSprop")
+    with pytest.raises(ValueError, match="unknown server optimizer 'Rprop'; choose one of: SGD, Adagrad, Adam, AdamW, RMSprop, Adadelta$"):
+        ServerOptimizer("Rprop")
 
 
 def test_slots_written_into_the_state_are_the_ones_the_next_step_uses():

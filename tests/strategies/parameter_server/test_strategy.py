@@ -1,5 +1,6 @@
 """ParameterServerStrategy: one worker equals local training; several workers train on their own."""
 
+import re
 import threading
 import time
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from loom.strategies.parameter_server.client import ServerClient
+from loom.strategies.parameter_server.job_failure import JobFailedError, tell_servers
 from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from tests.helpers import free_port
@@ -161,8 +164,8 @@ def test_two_workers_train_on_their_own_and_the_loss_falls(servers):
 
 def test_optimizers_the_servers_cannot_run_are_named(servers):
     strategy = ParameterServerStrategy(servers, token="job-token")
-    with pytest.raises(ValueError, match="RMSprop cannot run on the parameter servers; use SGD"):
-        strategy.prepare(Clicks(), lambda p: torch.optim.RMSprop(p))
+    with pytest.raises(ValueError, match="NAdam cannot run on the parameter servers; use SGD"):
+        strategy.prepare(Clicks(), lambda p: torch.optim.NAdam(p))
 
 
 def _race(servers, staleness, steps=30):
@@ -310,3 +313,19 @@ def test_a_restarted_worker_resumes_its_clock_and_does_not_stall_the_others(serv
     assert chief[0].step == 10 + k + 1
     for strategy, _, _ in (chief, successor):
         strategy.shutdown()
+
+
+def test_a_worker_waiting_for_the_chief_stops_at_once_when_a_server_is_told_the_job_failed(servers):
+    """What a launcher on another machine sends when the chief fails for good (job_failure.py):
+    the worker stops naming the chief, long before its timeout; the launchers' reports still get through."""
+    reason = "worker 0, the chief (pid 1 on host-a), failed: ValueError: NAdam cannot run on the parameter servers"
+    assert tell_servers(servers, "job-token", None, reason) == []
+    strategy = ParameterServerStrategy(servers, token="job-token", worker=1, num_workers=2, timeout=300)
+    started = time.monotonic()
+    with pytest.raises(JobFailedError, match=rf"^the job failed: {re.escape(reason)}; this worker stops$"):
+        strategy.prepare(Clicks(), lambda p: torch.optim.SGD(p, lr=0.1))
+    assert time.monotonic() - started < 30
+    client = ServerClient(servers[1], "job-token")
+    assert client.call({"op": "finish", "worker": 1, "code": 1}) == ({}, {})
+    assert "version" in client.call({"op": "stats"})[0]
+    client.close()
