@@ -1,7 +1,9 @@
 """Replica groups (``loom run --groups``): the environment a group's processes get, and the events they report.
 
 Each group is a torchrun-style set of processes; torchft's Manager reads the lighthouse's address
-from ``TORCHFT_LIGHTHOUSE`` and the group from ``REPLICA_GROUP_ID``. The first process of each group
+from ``TORCHFT_LIGHTHOUSE`` and the group from ``REPLICA_GROUP_ID``. ``LOOM_FT_JOB`` is what the
+launcher of each group computed of the job it runs; groups launched on different hosts compare it
+in every quorum (it is part of their torchft replica id). The first process of each group
 appends one JSON line per event (a step committed or refused, a group healed) to a file of its own
 under ``LOOM_FT_EVENTS``; the launcher reads them to say who left, rejoined and healed, and when.
 """
@@ -18,6 +20,7 @@ GROUP_ENV = "REPLICA_GROUP_ID"
 GROUPS_ENV = "NUM_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 EVENTS_ENV = "LOOM_FT_EVENTS"
+JOB_ENV = "LOOM_FT_JOB"  # a digest of the script, its arguments, --groups and --nproc: every group must have the same
 
 
 def in_groups() -> bool:

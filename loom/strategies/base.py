@@ -30,7 +30,9 @@ from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.comm import Connection, preemption, resolve_timeout
+from loom.comm.groups import in_groups
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
+from loom.errors import LaunchError
 from loom.fast import exact
 from loom.fast.fast_path import PARTS, apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path, refuse as refuse_fast_path
 from loom.strategies import cross_replica
@@ -51,7 +53,14 @@ LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 
 class Strategy(TFNames, ABC):
     """Where replicas run, how gradients are combined, how data is split between them."""
 
+    trains_across_groups = False  # whether it combines the replica groups of `loom run --groups`
+
     def __init__(self, precision: str = "32", timeout: float | None = None) -> None:
+        if in_groups() and not self.trains_across_groups:
+            raise LaunchError(
+                f"under `loom run --groups` each group would train alone with {type(self).__name__}: use loom.auto_strategy() "
+                "(FaultTolerantMirroredStrategy, Mirrored within a group); sharded, pipeline, parameter-server and other meshes are not replicated across groups"
+            )
         self.timeout = resolve_timeout(timeout)
         self._precision_name = canonical(precision)
         self._connection: Connection | None = None

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ReduceOp
 
-from loom.comm.groups import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
-from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks
+from loom.comm.groups import GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
 from loom.errors import LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
@@ -73,6 +73,8 @@ class Membership:
 class FaultTolerantMirroredStrategy(MirroredStrategy):
     """MirroredStrategy within each replica group, torchft's fault-tolerant all-reduce across groups.
 
+    A quorum that holds a group launched for another job (see ``loom.launch.groups.job_digest``) is refused.
+
     Args:
         precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
         timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
@@ -94,7 +96,9 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self.membership: Membership | None = None
         self.committed: bool | None = None  # whether the last step applied (False: its batch is trained again)
         self._events = EventLog(self.group, enabled=self.cluster.rank == 0)
+        self._job = os.environ.get(JOB_ENV, "")
         self._manager = self._join_groups()
+        self._quorums = ft_record_quorums(self._manager)
         self._buckets: list[list[nn.Parameter]] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._schedulers: list[Any] = []  # train_step's: a heal hands them over with the weights
@@ -126,7 +130,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 connect_timeout=timedelta(seconds=min(self.timeout, 30)),
                 rank=self.cluster.rank,
                 world_size=self.group_size,
-                replica_id=f"group_{self.group}",
+                replica_id=f"job{self._job}_group_{self.group}",  # torchft reads the group from the trailing digits
                 lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
             )
 
@@ -135,6 +139,8 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         with self._guard():
             dist.barrier()
         return manager if self.cluster.rank == 0 else make()
+
+    trains_across_groups = True
 
     # ---- topology follows the membership ------------------------------------------------------
     @property
@@ -226,7 +232,22 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     def _quorum(self) -> None:
         self._manager.start_quorum()
         self._manager.wait_quorum()
+        self._check_same_job()
 
+    def _check_same_job(self) -> None:
+        """Refuse a quorum with a group of another job (launched with another script, arguments, --groups or --nproc),
+        or a second group of this group's number: each would train on as if it were one of ours."""
+        seen: set[str] = set()
+        for replica in self._quorums.last.replica_ids if self._quorums.last else ():
+            job, _, group = replica.split(":")[0].rpartition("_group_")
+            if job != f"job{self._job}":
+                raise LaunchError(
+                    f"group {group} runs another job than group {self.group} (its script, arguments, --groups or --nproc differ: "
+                    f"{job.removeprefix('job') or 'none'} vs {self._job or 'none'}): start every group with the same `loom run` line"
+                )
+            if group in seen:
+                raise LaunchError(f"two launchers run group {group} of this job: give each host its own --group")
+            seen.add(group)
     def _next_batch(self, end: int) -> int | None:
         """The global batch this step trains, after its quorum; None once the job has trained batch ``end - 1``.
 
