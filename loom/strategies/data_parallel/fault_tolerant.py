@@ -190,30 +190,40 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         """The job's first step is a sync: every group takes group 0's weights. A group joining later heals instead.
 
         torchft syncs process r of every group from process r of one group (a different one for each r,
-        to spread the load); the broadcast within each group then makes all take group 0's.
+        to spread the load); the broadcast within each group then makes all take group 0's. Until
+        this group is in the job (the sync or its heal applied), it takes quorums again: a heal whose
+        live group died in the middle is taken again from another, never started over at step 0.
         """
         started = time.time()
         self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        self._quorum()
-        self._wait_for_every_group(started)
-        if self._manager.current_step() > 0:  # the job is under way: this group healed in that quorum
-            self._ghost_step(started)
-            return
-        self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
-        self._manager.should_commit()
+        while True:
+            self._quorum()
+            self._wait_for_every_group(started)
+            if self._under_way():  # this group heals in that quorum
+                self._ghost_step(started)
+                if self._heal_applied:
+                    return
+                continue
+            self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
+            if self._manager.should_commit():
+                break
         with self._guard(), torch.no_grad():
             for tensor in module.state_dict().values():
                 dist.broadcast(tensor, 0)
 
+    def _under_way(self) -> bool:
+        """Whether a group of the current quorum has trained: the job has started (this group's own step may still be 0)."""
+        return self._manager.current_step() > 0 or (self._quorums.last is not None and self._quorums.last.max_step > 0)
+
     def _wait_for_every_group(self, started: float) -> None:
-        """Take quorums until one shows the job under way (this group healed) or holds every group.
+        """Take quorums until one shows the job under way (this group heals) or holds every group.
 
         A quorum of groups all at step 0 is not enough to start the job: a group that started it may be
         missing only for a moment (its heartbeat late on a busy machine). Starting again without it
         would train the batches it trained a second time, on weights it never takes.
         """
         waiting = False
-        while self._manager.current_step() == 0 and len(self._quorum_groups()) < self.groups:
+        while not self._under_way() and len(self._quorum_groups()) < self.groups:
             if not waiting:
                 self._events.write("waiting", groups=list(self._quorum_groups()))
                 waiting = True
