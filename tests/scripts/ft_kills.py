@@ -5,7 +5,9 @@ each process saves its final weights as OUT/final-<group>-<rank>.pt, as ft_train
 the pen:
 
 - ``OUT/allow`` holds a number of batches: a group takes the quorum of the job's batch b only once
-  it is above b, so the test decides when each step may start (healed groups included).
+  it is above b, so the test decides when each step may start (healed groups included);
+  OUT/allow-G, while it exists, does so for group G alone. OUT/asking-G says the batch group G
+  last asked a quorum for.
 - ``PARK=G:B,...``: group G's first life stops in the middle of batch B's step (after its forward
   pass would run, before the sync), writes its pid (group, life) to OUT/parked-G and waits to be killed.
 - ``GATE=G:R,...``: life R of group G (its R-th restart) joins only once OUT/join-G-R exists.
@@ -72,7 +74,8 @@ class TrippingStepLR(torch.optim.lr_scheduler.StepLR):
 
 
 def _allowed() -> int:
-    text = (OUT / "allow").read_text() if (OUT / "allow").exists() else ""
+    path = OUT / f"allow-{GROUP}" if (OUT / f"allow-{GROUP}").exists() else OUT / "allow"
+    text = path.read_text() if path.exists() else ""
     return int(text) if text.strip() else 0
 
 
@@ -82,6 +85,7 @@ def paced(strategy, loader):
     while True:
         while _allowed() <= strategy.committed_batches():
             time.sleep(0.02)
+        (OUT / f"asking-{GROUP}").write_text(str(strategy.committed_batches()))
         try:
             yield next(batches)
         except StopIteration:

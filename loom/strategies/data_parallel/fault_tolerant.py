@@ -46,6 +46,7 @@ from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quo
 from loom.errors import LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
+from loom.strategies.data_parallel.fault_tolerant_history import History
 from loom.strategies.data_parallel.mirrored import MirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.step import LossFn, TrainStep
@@ -104,6 +105,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._schedulers: list[Any] = []  # train_step's: a heal hands them over with the weights
         self._healed_schedulers: list[dict[str, Any]] | None = None  # a live group's, to take after the heal's step
         self._heal_applied = False  # whether the heal's step applied
+        self._history = History()  # the quorums of the steps applied: a split quorum's branches differ
         atexit.register(self._manager.shutdown, wait=False)
 
     def _join_groups(self) -> Any:
@@ -175,12 +177,13 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
         def state() -> dict[str, Any]:
             schedulers = [s.state_dict() for s in self._schedulers]
-            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers}
+            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers, "history": self._history.value}
 
         def load(saved: dict[str, Any]) -> None:
             module.load_state_dict(saved["model"])
             inner.load_state_dict(saved["optimizer"])
             self._healed_schedulers = saved["schedulers"]
+            self._history.value = saved["history"]
 
         self._manager.register_state_dict_fn("loom", load, state)
         self._start(module)
@@ -298,9 +301,20 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._in_step = False
         weight = self.membership.samples / self._global_batch
         flats = [_flatten(bucket).mul_(weight) for bucket in self._buckets]
-        self._sum_across_groups(flats)
+        history = self._history.slots(self.group, self.groups)
+        self._sum_across_groups([history, *flats])
+        diverged = History.diverged(history)
+        if diverged:  # a split quorum's branches met: nobody applies this step, and the other branch leaves
+            self._manager.report_error(RuntimeError(f"group(s) {diverged} trained another branch of the job"))
         committed = self.committed = self._manager.should_commit()
+        if self.group in diverged:
+            self._events.write("diverged", batch=self.membership.batch, groups=list(self.membership.groups))
+            raise LaunchError(
+                f"group {self.group} trained other steps than group {min(self.membership.groups)} (the lighthouse split the quorum: "
+                "a group's heartbeat lapsed while both were at one step); it stops to be restarted and heal from it (--max-restarts)"
+            )
         if committed:
+            self._history.advance(self.membership.quorum_id)
             for bucket, flat in zip(self._buckets, flats):
                 _unflatten(flat, bucket)
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
@@ -328,9 +342,10 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     def _ghost_step(self, started: float) -> None:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
         flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
-        self._sum_across_groups(flats)
-        self._heal_applied = self._manager.should_commit()  # loads the live group's state before deciding
+        self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), *flats])
+        self._heal_applied = self._manager.should_commit()  # loads the live group's state (and history) before deciding
         if self._heal_applied:
+            self._history.advance(ft_quorum_id(self._manager))
             for bucket, flat in zip(self._buckets, flats):
                 _unflatten(flat, bucket)
             self._optimizer.step()
