@@ -15,6 +15,9 @@ group cannot corrupt, only make fail. One step, the whole contract:
 3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
    the batch, is summed across groups: the mean gradient of the whole global batch. Process r
    of a group sums only the r-th of N parts with the other groups, then the group gathers them.
+   With them go the groups' digests of the steps they applied: when a split quorum's branches
+   meet at one step, the step is refused and all but the lowest group's branch leave
+   (``fault_tolerant_history``).
 4. commit: the optimizer steps only if every group's all-reduce completed (torchft's
    ``should_commit``), and ``train_step``'s scheduler with it; if a group died mid-step, nobody
    applies the step (nor steps the scheduler) and batch ``d`` is trained again in the next step
