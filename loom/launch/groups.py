@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -59,11 +60,11 @@ def serve_lighthouse(port: int, min_groups: int) -> int:
     server = start_lighthouse(port, min_groups)
     address = server.address().removeprefix("http://")
     print(f"loom: lighthouse listening on {address}; on each group's host: loom run --lighthouse {address} --groups G --group I --nproc N script.py", flush=True)
-    stop = [False]
+    stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.__setitem__(0, True))
-    while not stop[0]:
-        time.sleep(0.2)
+        signal.signal(sig, lambda *_: stopped.set())
+    while not stopped.wait(0.2):  # a short wait: the signal handler runs between waits
+        pass
     server.shutdown()
     return 0
 
