@@ -14,10 +14,11 @@ first committed step. The survivors hold after batch HOLD until the restarted gr
 join, so the heal is measured whatever the restart costs.
 
 Chaos (``--chaos K``): 3 groups x 1 process learn a fixed random linear rule (MLP 256-256-10,
-global batch 96, Adam), 21 K steps. The groups stop at every K-th step until the driver lets them
-go on; at every other stop a random group's process is killed with SIGKILL (10 kills), and the
-survivors train the next K steps without it; at the stop after, they wait until it has restarted
-and asks to join, and it heals in the next step. A failure-free run of the same job (same seed,
+global batch 96, Adam), 26 K steps. The groups stop at every K-th step until the driver lets them
+go on. At a stop where every group trained the batch (and the stop before killed none), a random
+group's process is killed with SIGKILL first, 10 times in all; the survivors train the next K
+steps without it; at a stop where a group is missing, they wait until its restarted process asks
+to join, and it heals in the next step. A failure-free run of the same job (same seed,
 same batches) gives the reference loss curve. Each global batch's loss is the sample-weighted mean
 of the groups' losses on their slices; every sample id the groups trained is counted.
 
@@ -116,7 +117,7 @@ def train_chaos(out: Path, steps: int, k: int) -> None:
             continue
         m = strategy.membership
         if log:
-            log.write(json.dumps({"t": time.time(), "batch": m.batch, "groups": m.groups, "loss": loss.item(), "ids": ids.tolist()}) + "\n")
+            log.write(json.dumps({"t": time.time(), "batch": m.batch, "groups": m.groups, "participants": m.participants, "loss": loss.item(), "ids": ids.tolist()}) + "\n")
             log.flush()
         while (m.batch + 1) % k == 0 and m.batch + 1 < steps and not (out / f"go-{m.batch}").exists():
             time.sleep(0.02)
@@ -203,12 +204,12 @@ def phases(out: Path, killed: float) -> dict:
 
 def chaos(k: int) -> dict:
     """A failure-free run and a run with a random group killed at every other stop of K steps, 10 times: loss curves, kills, samples."""
-    steps = k * (2 * CHAOS_KILLS + 1)
+    steps = k * (2 * CHAOS_KILLS + 6)  # a stop with a group still healing kills none: room for 10 kills
     runs = {}
     for name in ("failure_free", "chaos"):
         out = Path(tempfile.mkdtemp(prefix="live-recovery-chaos-"))
         started = time.time()
-        job = _job(out, steps, "--groups", str(CHAOS_GROUPS), "--nproc", "1", "--max-restarts", str(CHAOS_KILLS), train=("--k", str(k), "--train-chaos"))
+        job = _job(out, steps, "--groups", str(CHAOS_GROUPS), "--nproc", "1", "--max-restarts", str(2 * CHAOS_KILLS), env={"LOOM_TIMEOUT": "60"}, train=("--k", str(k), "--train-chaos"))
         kills = _stops(job, out, k, steps, kill=name == "chaos")
         err = _finish(job)
         runs[name] = _chaos_run(out, steps) | {"wall_s": time.time() - started, "kills": kills}
@@ -224,10 +225,10 @@ def chaos(k: int) -> dict:
 
 
 def _stops(job: subprocess.Popen, out: Path, k: int, steps: int, kill: bool) -> list[dict]:
-    """Let the groups go on at each stop (after every K-th batch): at every other one, once all groups trained it, kill -9 a
-    random group first; at the one after, wait until that group has restarted and asks to join."""
+    """Let the groups go on at each stop (after every K-th batch). At a stop where every group trained the batch and the
+    last stop killed none, kill -9 a random group first (10 times in all); where a group is missing, first wait until
+    its newest life (restarted) asks to join, so that it heals in the next step."""
     chooser, kills, deadline = random.Random(0), [], time.monotonic() + 1800
-    lives = {g: 0 for g in range(CHAOS_GROUPS)}
 
     def wait(condition, what: str) -> None:
         while not condition():
@@ -235,21 +236,22 @@ def _stops(job: subprocess.Popen, out: Path, k: int, steps: int, kill: bool) -> 
                 raise SystemExit(f"chaos: the job ended or timed out waiting until {what}:\n{job.communicate()[1][-3000:]}")
             time.sleep(0.02)
 
-    for stop, batch in enumerate(range(k - 1, steps - 1, k)):
-        trained = lambda: {s["g"] for s in _commits(out) if s["batch"] == batch}  # noqa: E731
-        if stop % 2 == 0:
-            wait(lambda: len(trained()) == CHAOS_GROUPS, f"every group trains batch {batch}")
-            if kill:
-                group = chooser.randrange(CHAOS_GROUPS)
-                os.kill([s for s in _lines_whole(out / f"chaos-{group}.jsonl") if "pid" in s][-1]["pid"], 9)
-                kills.append({"t": time.time(), "group": group, "after_batch": batch})
-                lives[group] += 1
-        else:
-            wait(lambda: trained() and len(trained()) == len(next(s for s in _commits(out) if s["batch"] == batch)["groups"]), f"the groups train batch {batch}")
-            if kill:
-                group = kills[-1]["group"]
-                joins = lambda: [e for e in _lines_whole(out / "events" / f"group-{group}.jsonl") if e["event"] == "joining"]  # noqa: E731
-                wait(lambda: any(e["restart"] == lives[group] for e in joins()), f"group {group} restarts and asks to join")
+    def rejoining(group: int) -> bool:
+        since = max([kill["t"] for kill in kills if kill["group"] == group], default=0)
+        return any(e["event"] == "joining" and e["t"] > since for e in _lines_whole(out / "events" / f"group-{group}.jsonl"))
+
+    killed_last = False
+    for batch in range(k - 1, steps - 1, k):
+        commits = lambda: [s for s in _commits(out) if s["batch"] == batch]  # noqa: E731
+        wait(lambda: commits() and len({s["g"] for s in commits()}) == commits()[0]["participants"], f"the groups train batch {batch}")
+        missing = set(range(CHAOS_GROUPS)) - {s["g"] for s in commits()}
+        if kill and not missing and not killed_last and len(kills) < CHAOS_KILLS:
+            group = chooser.randrange(CHAOS_GROUPS)
+            os.kill([s for s in _lines_whole(out / f"chaos-{group}.jsonl") if "pid" in s][-1]["pid"], 9)
+            kills.append({"t": time.time(), "group": group, "after_batch": batch})
+        for group in missing:
+            wait(lambda: rejoining(group), f"group {group} restarts and asks to join")
+        killed_last = bool(kills) and kills[-1]["after_batch"] == batch
         (out / f"go-{batch}").touch()
     return kills
 
@@ -288,7 +290,7 @@ def plot_chaos(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(results["failure_free"]["loss"], label="failure-free", color="#888", lw=3)
-    ax.plot(results["chaos"]["loss"], label=f"{len(results['chaos']['kills'])} kills -9 (every {results['every_k_steps']} steps)", color="#c44", lw=1)
+    ax.plot(results["chaos"]["loss"], label=f"{len(results['chaos']['kills'])} kills -9 (at stops every {results['every_k_steps']} steps)", color="#c44", lw=1)
     for kill in results["chaos"]["kills"]:
         ax.axvline(kill["after_batch"], color="#c44", alpha=0.3, lw=0.8)
     ax.set_xlabel("global batch")
