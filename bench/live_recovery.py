@@ -13,9 +13,20 @@ request to join, its heal (weights and optimizer state from group 0, no checkpoi
 first committed step. The survivors hold after batch HOLD until the restarted group asks to
 join, so the heal is measured whatever the restart costs.
 
-    python bench/live_recovery.py [--rounds 2] [--steps 30]
+Chaos (``--chaos K``): 3 groups x 1 process learn a fixed random linear rule (MLP 256-256-10,
+global batch 96, Adam), 26 K steps. The groups stop at every K-th step until the driver lets them
+go on. At a stop where every group trained the batch (and the stop before killed none), a random
+group's process is killed with SIGKILL first, 10 times in all; the survivors train the next K
+steps without it; at a stop where a group is missing, they wait until its restarted process asks
+to join, and it heals in the next step. A failure-free run of the same job (same seed,
+same batches) gives the reference loss curve. Each global batch's loss is the sample-weighted mean
+of the groups' losses on their slices; every sample id the groups trained is counted.
 
-Writes bench/results/live_recovery.json and .png. Run as a job's script (by the above), it trains.
+    python bench/live_recovery.py [--rounds 2] [--steps 30]
+    python bench/live_recovery.py --chaos 5
+
+Writes bench/results/live_recovery.json and .png (chaos: live_recovery_chaos.json and .png). Run as
+a job's script (by the above), it trains.
 """
 
 from __future__ import annotations
@@ -27,14 +38,17 @@ STARTED = time.time()  # before torch is imported: a restarted process's start
 import argparse  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import random  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_AFTER, HOLD = 5, 12  # group 1 is killed once it has committed this many batches; group 0 holds after batch HOLD
+CHAOS_GROUPS, CHAOS_KILLS, CHAOS_BATCH = 3, 10, 96
 
 
 # ---- the training script (run by loom run) ---------------------------------------------------------
@@ -75,16 +89,50 @@ def train(out: Path, steps: int) -> None:
                 break
 
 
+def train_chaos(out: Path, steps: int, k: int) -> None:
+    """The chaos job's script: logs each committed step's loss and sample ids; after each K-th batch, waits for OUT/go-<batch>."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import loom
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(steps * CHAOS_BATCH, 256, generator=g)
+    y = (x @ torch.randn(256, 10, generator=g)).argmax(1)
+    data = torch.utils.data.TensorDataset(x, y, torch.arange(len(x)))
+    strategy = loom.auto_strategy()
+    torch.manual_seed(0)
+    model, opt = strategy.prepare(nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)), lambda p: torch.optim.Adam(p, lr=1e-3))
+    loader = strategy.distribute(data, batch_size=CHAOS_BATCH)
+    log = open(out / f"chaos-{strategy.group}.jsonl", "a") if strategy.cluster.rank == 0 else None
+    if log:
+        log.write(json.dumps({"pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}) + "\n")
+    for xb, yb, ids in loader:
+        loss = F.cross_entropy(model(xb), yb)
+        strategy.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if not strategy.committed:
+            continue
+        m = strategy.membership
+        if log:
+            log.write(json.dumps({"t": time.time(), "batch": m.batch, "groups": m.groups, "participants": m.participants, "loss": loss.item(), "ids": ids.tolist()}) + "\n")
+            log.flush()
+        while (m.batch + 1) % k == 0 and m.batch + 1 < steps and not (out / f"go-{m.batch}").exists():
+            time.sleep(0.02)
+
+
 def _asked_to_join(group: int) -> bool:
     path = Path(os.environ["LOOM_FT_EVENTS"]) / f"group-{group}.jsonl"
     return path.exists() and any(json.loads(line).get("restart", 0) > 0 for line in path.read_text().splitlines() if '"joining"' in line)
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-def _job(out: Path, steps: int, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def _job(out: Path, steps: int, *flags: str, env: dict[str, str] | None = None, train: tuple[str, ...] = ("--train",)) -> subprocess.Popen:
     (out / "events").mkdir()
     return subprocess.Popen(
-        [sys.executable, "-m", "loom.launch.cli", "run", *flags, __file__, "--train", str(out), "--steps", str(steps)],
+        [sys.executable, "-m", "loom.launch.cli", "run", *flags, __file__, *train, str(out), "--steps", str(steps)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LOOM_FT_EVENTS": str(out / "events"), **(env or {})},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -154,6 +202,106 @@ def phases(out: Path, killed: float) -> dict:
     }
 
 
+def chaos(k: int) -> dict:
+    """A failure-free run and a run with a random group killed at every other stop of K steps, 10 times: loss curves, kills, samples."""
+    steps = k * (2 * CHAOS_KILLS + 6)  # a stop with a group still healing kills none: room for 10 kills
+    runs = {}
+    for name in ("failure_free", "chaos"):
+        out = Path(tempfile.mkdtemp(prefix="live-recovery-chaos-"))
+        started = time.time()
+        job = _job(out, steps, "--groups", str(CHAOS_GROUPS), "--nproc", "1", "--max-restarts", str(2 * CHAOS_KILLS), env={"LOOM_TIMEOUT": "60"}, train=("--k", str(k), "--train-chaos"))
+        kills = _stops(job, out, k, steps, kill=name == "chaos")
+        err = _finish(job)
+        runs[name] = _chaos_run(out, steps) | {"wall_s": time.time() - started, "kills": kills}
+        if name == "chaos":
+            runs[name]["launcher_lines"] = [line for line in err.splitlines() if line.startswith("loom: ") and "group" in line]
+    free, hit = runs["failure_free"]["loss"], runs["chaos"]["loss"]
+    return {
+        "every_k_steps": k, "steps": steps, "groups": CHAOS_GROUPS, **runs,
+        "max_abs_loss_difference": max(abs(a - b) for a, b in zip(free, hit)),
+        "final_loss": {"failure_free": free[-1], "chaos": hit[-1]},
+        "first_loss": free[0],
+    }  # fmt: skip
+
+
+def _stops(job: subprocess.Popen, out: Path, k: int, steps: int, kill: bool) -> list[dict]:
+    """Let the groups go on at each stop (after every K-th batch). At a stop where every group trained the batch and the
+    last stop killed none, kill -9 a random group first (10 times in all); where a group is missing, first wait until
+    its newest life (restarted) asks to join, so that it heals in the next step."""
+    chooser, kills, deadline = random.Random(0), [], time.monotonic() + 1800
+
+    def wait(condition, what: str) -> None:
+        while not condition():
+            if job.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"chaos: the job ended or timed out waiting until {what}:\n{job.communicate()[1][-3000:]}")
+            time.sleep(0.02)
+
+    def rejoining(group: int) -> bool:
+        since = max([kill["t"] for kill in kills if kill["group"] == group], default=0)
+        return any(e["event"] == "joining" and e["t"] > since for e in _lines_whole(out / "events" / f"group-{group}.jsonl"))
+
+    killed_last = False
+    for batch in range(k - 1, steps - 1, k):
+        commits = lambda: [s for s in _commits(out) if s["batch"] == batch]  # noqa: E731
+        wait(lambda: commits() and len({s["g"] for s in commits()}) == commits()[0]["participants"], f"the groups train batch {batch}")
+        missing = set(range(CHAOS_GROUPS)) - {s["g"] for s in commits()}
+        if kill and not missing and not killed_last and len(kills) < CHAOS_KILLS:
+            group = chooser.randrange(CHAOS_GROUPS)
+            os.kill([s for s in _lines_whole(out / f"chaos-{group}.jsonl") if "pid" in s][-1]["pid"], 9)
+            kills.append({"t": time.time(), "group": group, "after_batch": batch})
+        for group in missing:
+            wait(lambda: rejoining(group), f"group {group} restarts and asks to join")
+        killed_last = bool(kills) and kills[-1]["after_batch"] == batch
+        (out / f"go-{batch}").touch()
+    return kills
+
+
+def _commits(out: Path) -> list[dict]:
+    return [s | {"g": g} for g in range(CHAOS_GROUPS) for s in _lines_whole(out / f"chaos-{g}.jsonl") if "batch" in s]
+
+
+def _lines_whole(path: Path) -> list[dict]:
+    """The complete lines of a file being written."""
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+
+def _chaos_run(out: Path, steps: int) -> dict:
+    """Each global batch's loss (sample-weighted over the groups that trained it) and the samples counted."""
+    commits = _commits(out)
+    per_batch: dict[int, list[tuple[float, int]]] = {}
+    for s in commits:
+        per_batch.setdefault(s["batch"], []).append((s["loss"], len(s["ids"])))
+    counts = Counter(i for s in commits for i in s["ids"])
+    expected = steps * CHAOS_BATCH
+    return {
+        "loss": [sum(loss * n for loss, n in per_batch[b]) / sum(n for _, n in per_batch[b]) for b in range(steps)],
+        "samples": {"expected": expected, "trained_once": sum(1 for i in range(expected) if counts[i] == 1),
+                    "lost": sum(1 for i in range(expected) if counts[i] == 0), "doubled": sum(1 for n in counts.values() if n > 1)},
+        "steps_alone": sum(1 for b in per_batch if len({g for s in commits if s["batch"] == b for g in s["groups"]}) < CHAOS_GROUPS),
+    }  # fmt: skip
+
+
+def plot_chaos(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(results["failure_free"]["loss"], label="failure-free", color="#888", lw=3)
+    ax.plot(results["chaos"]["loss"], label=f"{len(results['chaos']['kills'])} kills -9 (at stops every {results['every_k_steps']} steps)", color="#c44", lw=1)
+    for kill in results["chaos"]["kills"]:
+        ax.axvline(kill["after_batch"], color="#c44", alpha=0.3, lw=0.8)
+    ax.set_xlabel("global batch")
+    ax.set_ylabel("loss (global batch)")
+    samples = results["chaos"]["samples"]
+    ax.set_title(f"3 groups, chaos: max |loss difference| {results['max_abs_loss_difference']:.1e}; samples lost {samples['lost']}, doubled {samples['doubled']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -180,14 +328,27 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2, help="jobs of each kind, interleaved")
     parser.add_argument("--steps", type=int, default=30, help="steps per overhead job")
+    parser.add_argument("--chaos", type=int, metavar="K", help="instead: kill a random group every K steps, 10 times, against a failure-free run")
     parser.add_argument("--train", help=argparse.SUPPRESS)
+    parser.add_argument("--train-chaos", help=argparse.SUPPRESS)
+    parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.train:
         return train(Path(args.train), args.steps)
+    if args.train_chaos:
+        return train_chaos(Path(args.train_chaos), args.steps, args.k)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from workloads import RESULTS, machine, save
 
     results = {"machine": machine(), "command": "python bench/live_recovery.py " + " ".join(sys.argv[1:])}
+    if args.chaos:
+        results["chaos"] = chaos(args.chaos)
+        path = save("live_recovery_chaos", results)
+        plot_chaos(results["chaos"], RESULTS / "live_recovery_chaos.png")
+        summary = {k: v for k, v in results["chaos"].items() if k not in ("failure_free", "chaos")}
+        print(json.dumps(summary | {"samples": results["chaos"]["chaos"]["samples"]}, indent=2))
+        print(f"wrote {path} and {RESULTS / 'live_recovery_chaos.png'}")
+        return None
     results["overhead"] = overhead(args.rounds, args.steps)
     results["recovery"] = recovery(steps=HOLD + 10)
     path = save("live_recovery", results)

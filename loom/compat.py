@@ -350,3 +350,24 @@ def ft_quorum_ranks(manager: Any) -> list[int] | None:
     """Global ranks of this process's peers across the quorum's groups, ``group * N + rank`` (torchft 0.2.0
     hands them to its process group's ``configure``, which keeps them as ``ProcessGroupGloo._global_ranks``)."""
     return manager._pg._global_ranks
+
+
+class _RecordingClient:
+    """torchft's ManagerClient, keeping the last quorum's result (it has the quorum's replica ids, which the Manager drops)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def ft_record_quorums(manager: Any) -> _RecordingClient:
+    """Have ``manager`` keep each quorum's result in ``.last`` of the returned client (torchft 0.2.0's ``Manager._client``)."""
+    manager._client = _RecordingClient(manager._client)
+    return manager._client

@@ -1,7 +1,9 @@
 """Replica groups (``loom run --groups``): the environment a group's processes get, and the events they report.
 
 Each group is a torchrun-style set of processes; torchft's Manager reads the lighthouse's address
-from ``TORCHFT_LIGHTHOUSE`` and the group from ``REPLICA_GROUP_ID``. The first process of each group
+from ``TORCHFT_LIGHTHOUSE`` and the group from ``REPLICA_GROUP_ID``. ``LOOM_FT_JOB`` is what the
+launcher of each group computed of the job it runs; groups launched on different hosts compare it
+in every quorum (it is part of their torchft replica id). The first process of each group
 appends one JSON line per event (a step committed or refused, a group healed) to a file of its own
 under ``LOOM_FT_EVENTS``; the launcher reads them to say who left, rejoined and healed, and when.
 """
@@ -14,10 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loom.errors import LaunchError
+
 GROUP_ENV = "REPLICA_GROUP_ID"
 GROUPS_ENV = "NUM_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 EVENTS_ENV = "LOOM_FT_EVENTS"
+JOB_ENV = "LOOM_FT_JOB"  # a digest of the script, its arguments, --groups and --nproc: every group must have the same
 
 
 def in_groups() -> bool:
@@ -56,3 +61,13 @@ class EventReader:
             self._offsets[path] = self._offsets.get(path, 0) + len(complete)
             events += [json.loads(line) for line in complete.decode().splitlines() if line]
         return sorted(events, key=lambda e: e["t"])
+
+
+def refuse_alone_in_groups(strategy: str, trains_across_groups: bool) -> None:
+    """Under ``loom run --groups`` only a strategy that combines the groups may run: any other
+    would train each group alone, as if it were the whole job."""
+    if in_groups() and not trains_across_groups:
+        raise LaunchError(
+            f"under `loom run --groups` each group would train alone with {strategy}: use loom.auto_strategy() "
+            "(FaultTolerantMirroredStrategy, Mirrored within a group); sharded, pipeline, parameter-server and other meshes are not replicated across groups"
+        )

@@ -1,4 +1,5 @@
-"""The ``loom`` command: ``loom run`` starts a job, ``loom env`` shows what it would be, ``loom doctor``
+"""The ``loom`` command: ``loom run`` starts a job (``loom lighthouse`` coordinates its replica groups
+across machines), ``loom env`` shows what it would be, ``loom doctor``
 checks that it would start, ``loom stacks`` shows where a running one is, ``loom checkpoint``
 inspects, verifies and exports checkpoints."""
 
@@ -59,9 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--ps-tls-cert", help="parameter servers: PEM certificate for TLS, naming every server's host (or LOOM_PS_TLS_CERT)")
     run.add_argument("--ps-tls-key", help="parameter servers: the certificate's private key, where servers run (or LOOM_PS_TLS_KEY)")
     run.add_argument("--groups", type=int, help="replica groups of --nproc processes each, on this machine: a group that fails is restarted (--max-restarts) and heals while the others train on")
-    run.add_argument("--lighthouse", help="with --groups: HOST:PORT of a torchft lighthouse started elsewhere (default: one started here)")
+    run.add_argument("--lighthouse", help="with --groups: HOST:PORT of a lighthouse started elsewhere (`loom lighthouse`; default: one started here)")
+    run.add_argument("--group", type=int, help="across machines: run only group I of --groups G here, joining the job at --lighthouse")
     run.add_argument("script", help="the training script (or module with -m)")
     run.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    lighthouse = commands.add_parser("lighthouse", help="coordinate replica groups on other hosts (each: loom run --lighthouse HOST:PORT --groups G --group I)")
+    lighthouse.add_argument("--port", type=int, default=29510, help="port to listen on, on every interface (default 29510; 0: a free one)")
+    lighthouse.add_argument("--min-groups", type=int, default=1, help="groups a step needs (default 1: one surviving group trains on)")
     scale = commands.add_parser("scale", help="run a training script at several sizes and chart samples/s against replicas")
     _add_launch_options(scale, skip=("nproc", "nnodes", "node_rank", "master"))
     scale.add_argument("--nproc", dest="sizes", default="1,2", help="the sizes to run, processes on this machine, comma-separated (default 1,2)")
@@ -127,11 +132,13 @@ def _checkpoint_command(args: argparse.Namespace) -> int:
 def _groups_command(entry: list[str], opts: LaunchOptions, args: argparse.Namespace) -> int:
     from loom.launch.groups import run_groups
 
+    if args.group is not None and not args.lighthouse:
+        raise LaunchError("--group I runs one group of a job across machines: add --lighthouse HOST:PORT (start it with `loom lighthouse`)")
     if args.groups is None:
-        raise LaunchError("--lighthouse is for replica groups: add --groups G")
+        raise LaunchError(f"{'--group' if args.group is not None else '--lighthouse'} is for replica groups: add --groups G (the job's number of groups)")
     if args.ps is not None or args.ps_hosts or args.workers is not None:
         raise LaunchError("--groups replicates the model in every group; parameter servers (--ps, --ps-hosts, --workers) shard it instead: use one or the other")
-    return run_groups(entry, opts, args.groups, args.lighthouse)
+    return run_groups(entry, opts, args.groups, args.lighthouse, args.group)
 
 
 def describe_environment(opts: LaunchOptions) -> list[tuple[str, str]]:
@@ -184,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
             from loom.comm.stacks import stacks_command
 
             return stacks_command(args.master)
+        if args.command == "lighthouse":
+            from loom.launch.groups import serve_lighthouse
+
+            return serve_lighthouse(args.port, args.min_groups)
         if args.command == "doctor":
             from loom.diagnostics.doctor import doctor
 
@@ -206,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         entry = (["-m"] if args.module else []) + [args.script, *args.script_args]
         check_timeouts(opts)
-        if args.groups is not None or args.lighthouse:
+        if args.groups is not None or args.lighthouse or args.group is not None:
             return _groups_command(entry, opts, args)
         ps_options = JobOptions(opts.max_restarts, args.staleness, args.ps_checkpoint_dir, args.sync, args.ps_tls_cert, args.ps_tls_key, opts.threads, opts.timeout)
         if args.ps is not None:

@@ -1,6 +1,7 @@
-"""Replica groups on one machine: ``loom run --groups G --nproc N script.py``.
+"""Replica groups: ``loom run --groups G --nproc N script.py`` on one machine, or across machines
+``loom lighthouse`` on one host and ``loom run --lighthouse HOST:PORT --groups G --group I`` on each group's.
 
-The launcher starts a torchft lighthouse (or uses ``--lighthouse HOST:PORT``) and G groups, each
+The launcher starts a torchft lighthouse (or uses ``--lighthouse HOST:PORT``) and G groups (or group I), each
 one ``loom run --nproc N`` of its own: torchrun's agent, restarting the group's processes up to
 ``--max-restarts`` times when one fails, while the other groups train on. A restarted group
 rejoins at the next step and heals from a live group (``FaultTolerantMirroredStrategy``). From
@@ -10,16 +11,19 @@ and how long each took.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import signal
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
-from loom.comm.groups import EVENTS_ENV, GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventReader
+from loom.comm.groups import EVENTS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventReader
 from loom.devices import thread_budget
 from loom.errors import LaunchError
 from loom.launch.parameter_server import _die_with_parent
@@ -36,13 +40,44 @@ def _say(message: str) -> None:
     print(f"loom: {message}", file=sys.stderr, flush=True)
 
 
-def start_lighthouse() -> Any:
-    """A lighthouse in this process, on a free port, that forms a quorum of any one group or more."""
+def start_lighthouse(port: int = 0, min_groups: int = 1) -> Any:
+    """A lighthouse in this process, on ``port`` (0: a free one), that forms a quorum of ``min_groups`` groups or more."""
     from torchft.coordination import LighthouseServer
 
-    return LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
-    )
+    try:
+        return LighthouseServer(
+            bind=f"[::]:{port}", min_replicas=min_groups, join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=20, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+        )
+    except RuntimeError as error:
+        raise LaunchError(f"the lighthouse cannot listen on port {port} ({error}): pick a free one with --port") from None
+
+
+def serve_lighthouse(port: int, min_groups: int) -> int:
+    """``loom lighthouse``: a lighthouse for groups launched on other hosts, until it is stopped (Ctrl-C, SIGTERM)."""
+    if min_groups < 1:
+        raise LaunchError(f"--min-groups takes the groups a step needs, at least 1 (got {min_groups})")
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log says every quorum, at info
+    server = start_lighthouse(port, min_groups)
+    address = server.address().removeprefix("http://")
+    print(f"loom: lighthouse listening on {address}; on each group's host: loom run --lighthouse {address} --groups G --group I --nproc N script.py", flush=True)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    while not stopped.wait(0.2):  # a short wait: the signal handler runs between waits
+        pass
+    server.shutdown()
+    return 0
+
+
+def job_digest(entry: list[str], groups: int, nproc: int) -> str:
+    """What every group of one job must share: the script's text (or module name), its arguments, --groups and --nproc."""
+    digest = hashlib.sha256(f"{groups} {nproc}".encode())
+    for part in entry:
+        digest.update(b"\0" + part.encode())
+        if os.path.isfile(part):
+            with open(part, "rb") as f:
+                digest.update(f.read())
+    return digest.hexdigest()[:12]
 
 
 def check_lighthouse(address: str) -> str:
@@ -54,18 +89,20 @@ def check_lighthouse(address: str) -> str:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as error:
         raise LaunchError(
-            f"the lighthouse at {host}:{port} cannot be reached ({error.strerror or error}): start it there with "
-            "`torchft_lighthouse --min_replicas 1 --bind [::]:PORT`, or leave --lighthouse out to start one here"
+            f"the lighthouse at {host}:{port} cannot be reached within 5s ({error.strerror or error}): start it there with "
+            "`loom lighthouse --port PORT`, or leave --lighthouse out to start one here"
         ) from None
     return f"http://{host}:{port}"
 
 
-def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: str | None = None) -> int:
-    """Run ``groups`` replica groups of ``opts.nproc`` processes here until every group is done."""
+def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: str | None = None, group: int | None = None) -> int:
+    """Run ``groups`` replica groups of ``opts.nproc`` processes here (or only ``group``, of a job across hosts) until each is done."""
     if groups < 1:
         raise LaunchError(f"--groups takes a number of replica groups, at least 1 (got {groups})")
+    if group is not None and not 0 <= group < groups:
+        raise LaunchError(f"--group takes this host's group, 0 .. {groups - 1} of --groups {groups} (got {group})")
     if opts.node().nnodes > 1:
-        raise LaunchError("--groups starts every group on this machine; it does not take --nnodes (one lighthouse, groups here)")
+        raise LaunchError("--groups starts a group's processes on this machine; it does not take --nnodes (across machines: --group I on each group's host)")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log says every quorum and commit, at info
     server = None
     if lighthouse is None:
@@ -75,9 +112,10 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
         lighthouse = check_lighthouse(lighthouse)
     events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
     nproc = opts.processes()
-    threads = opts.threads or thread_budget(groups * nproc)
-    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events}
-    running = {g: _start_group(g, entry, opts, nproc, threads, env, groups) for g in range(groups)}
+    here = range(groups) if group is None else [group]
+    threads = opts.threads or thread_budget(len(here) * nproc)
+    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
+    running = {g: _start_group(g, entry, opts, nproc, threads, env, groups) for g in here}
     failed: dict[int, int] = {}
     stopped: list[subprocess.Popen] = []
     reader, lines = EventReader(events), MembershipLines()

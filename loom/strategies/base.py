@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from loom import comm
 from loom.comm import Connection, preemption, resolve_timeout
+from loom.comm.groups import refuse_alone_in_groups
 from loom.data import DistributedLoader, Pipeline, PipelineLoader
 from loom.fast import exact
 from loom.fast.fast_path import PARTS, apply as apply_fast_path, check_candidates as fast_path_candidates, choose as choose_fast_path, refuse as refuse_fast_path
@@ -51,7 +52,10 @@ LAYOUT_ENV = "LOOM_JOB_LAYOUT"  # the launcher's "1 node x 2 processes (--nproc 
 class Strategy(TFNames, ABC):
     """Where replicas run, how gradients are combined, how data is split between them."""
 
+    trains_across_groups = False  # whether it combines the replica groups of `loom run --groups`
+
     def __init__(self, precision: str = "32", timeout: float | None = None) -> None:
+        refuse_alone_in_groups(type(self).__name__, self.trains_across_groups)
         self.timeout = resolve_timeout(timeout)
         self._precision_name = canonical(precision)
         self._connection: Connection | None = None

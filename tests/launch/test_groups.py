@@ -3,8 +3,12 @@
 The launched jobs (a kill -9 mid-step, equivalence with OneDevice) are in tests/strategies/test_fault_tolerant.py.
 """
 
+import socket
+import time
+
 import pytest
 
+import loom
 from loom.comm.groups import EventLog, EventReader
 from loom.errors import LaunchError
 from loom.launch.cli import main
@@ -18,15 +22,47 @@ def test_bad_groups_input_is_one_line(capsys):
     assert main(["run", "--groups", "2", "--ps", "1", "x.py"]) == 2
     assert capsys.readouterr().err.startswith("loom: error: --groups replicates the model in every group; parameter servers")
     assert main(["run", "--lighthouse", "h:1", "x.py"]) == 2
-    assert capsys.readouterr().err == "loom: error: --lighthouse is for replica groups: add --groups G\n"
+    assert capsys.readouterr().err == "loom: error: --lighthouse is for replica groups: add --groups G (the job's number of groups)\n"
     assert main(["run", "--groups", "0", "x.py"]) == 2
     assert "--groups takes a number of replica groups, at least 1 (got 0)" in capsys.readouterr().err
     port = free_port()  # nothing listens there
     assert main(["run", "--groups", "2", "--lighthouse", f"127.0.0.1:{port}", "x.py"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"loom: error: the lighthouse at 127.0.0.1:{port} cannot be reached (") and err.count("\n") == 1
+    assert err.startswith(f"loom: error: the lighthouse at 127.0.0.1:{port} cannot be reached within 5s (") and err.count("\n") == 1
     assert main(["run", "--groups", "2", "--lighthouse", "nowhere", "x.py"]) == 2
     assert "--lighthouse takes HOST:PORT" in capsys.readouterr().err
+
+
+def test_bad_input_of_groups_across_machines_is_one_line(capsys):
+    assert main(["run", "--groups", "2", "--group", "1", "x.py"]) == 2
+    assert capsys.readouterr().err == (
+        "loom: error: --group I runs one group of a job across machines: add --lighthouse HOST:PORT (start it with `loom lighthouse`)\n"
+    )
+    assert main(["run", "--group", "1", "--lighthouse", "h:1", "x.py"]) == 2
+    assert capsys.readouterr().err == "loom: error: --group is for replica groups: add --groups G (the job's number of groups)\n"
+    assert main(["run", "--groups", "2", "--group", "2", "--lighthouse", "h:1", "x.py"]) == 2
+    assert capsys.readouterr().err == "loom: error: --group takes this host's group, 0 .. 1 of --groups 2 (got 2)\n"
+    port = free_port()
+    started = time.monotonic()
+    assert main(["run", "--groups", "2", "--group", "0", "--lighthouse", f"127.0.0.1:{port}", "x.py"]) == 2
+    assert capsys.readouterr().err.startswith(f"loom: error: the lighthouse at 127.0.0.1:{port} cannot be reached within 5s (")
+    assert time.monotonic() - started < 10
+    assert main(["lighthouse", "--min-groups", "0"]) == 2
+    assert capsys.readouterr().err == "loom: error: --min-groups takes the groups a step needs, at least 1 (got 0)\n"
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["lighthouse", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.startswith(f"loom: error: the lighthouse cannot listen on port {port} (")
+
+
+@pytest.mark.parametrize("make", [lambda: loom.ShardedStrategy(), lambda: loom.PipelineStrategy(stages=2), lambda: loom.OneDeviceStrategy()])
+def test_a_strategy_that_does_not_train_across_groups_is_refused_under_groups(monkeypatch, make):
+    monkeypatch.setenv("REPLICA_GROUP_ID", "0")
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://h:1")
+    with pytest.raises(LaunchError, match=r"^under `loom run --groups` each group would train alone with \w+Strategy: use loom.auto_strategy\(\)"):
+        make()
 
 
 def test_the_strategy_outside_groups_says_how_to_start_them(monkeypatch):

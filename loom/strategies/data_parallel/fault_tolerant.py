@@ -15,6 +15,9 @@ group cannot corrupt, only make fail. One step, the whole contract:
 3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
    the batch, is summed across groups: the mean gradient of the whole global batch. Process r
    of a group sums only the r-th of N parts with the other groups, then the group gathers them.
+   With them go the groups' digests of the steps they applied: when a split quorum's branches
+   meet at one step, the step is refused and all but the lowest group's branch leave
+   (``fault_tolerant_history``).
 4. commit: the optimizer steps only if every group's all-reduce completed (torchft's
    ``should_commit``), and ``train_step``'s scheduler with it; if a group died mid-step, nobody
    applies the step (nor steps the scheduler) and batch ``d`` is trained again in the next step
@@ -41,11 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ReduceOp
 
-from loom.comm.groups import GROUP_ENV, GROUPS_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
-from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks
+from loom.comm.groups import GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
 from loom.errors import LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
+from loom.strategies.data_parallel.fault_tolerant_history import History
 from loom.strategies.data_parallel.mirrored import MirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.step import LossFn, TrainStep
@@ -73,6 +77,8 @@ class Membership:
 class FaultTolerantMirroredStrategy(MirroredStrategy):
     """MirroredStrategy within each replica group, torchft's fault-tolerant all-reduce across groups.
 
+    A quorum that holds a group launched for another job (see ``loom.launch.groups.job_digest``) is refused.
+
     Args:
         precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
         timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
@@ -94,12 +100,15 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self.membership: Membership | None = None
         self.committed: bool | None = None  # whether the last step applied (False: its batch is trained again)
         self._events = EventLog(self.group, enabled=self.cluster.rank == 0)
+        self._job = os.environ.get(JOB_ENV, "")
         self._manager = self._join_groups()
+        self._quorums = ft_record_quorums(self._manager)
         self._buckets: list[list[nn.Parameter]] = []
         self._optimizer: torch.optim.Optimizer | None = None
         self._schedulers: list[Any] = []  # train_step's: a heal hands them over with the weights
         self._healed_schedulers: list[dict[str, Any]] | None = None  # a live group's, to take after the heal's step
         self._heal_applied = False  # whether the heal's step applied
+        self._history = History()  # the quorums of the steps applied: a split quorum's branches differ
         atexit.register(self._manager.shutdown, wait=False)
 
     def _join_groups(self) -> Any:
@@ -126,7 +135,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 connect_timeout=timedelta(seconds=min(self.timeout, 30)),
                 rank=self.cluster.rank,
                 world_size=self.group_size,
-                replica_id=f"group_{self.group}",
+                replica_id=f"job{self._job}_group_{self.group}",  # torchft reads the group from the trailing digits
                 lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
             )
 
@@ -135,6 +144,8 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         with self._guard():
             dist.barrier()
         return manager if self.cluster.rank == 0 else make()
+
+    trains_across_groups = True
 
     # ---- topology follows the membership ------------------------------------------------------
     @property
@@ -169,12 +180,13 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
         def state() -> dict[str, Any]:
             schedulers = [s.state_dict() for s in self._schedulers]
-            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers}
+            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers, "history": self._history.value}
 
         def load(saved: dict[str, Any]) -> None:
             module.load_state_dict(saved["model"])
             inner.load_state_dict(saved["optimizer"])
             self._healed_schedulers = saved["schedulers"]
+            self._history.value = saved["history"]
 
         self._manager.register_state_dict_fn("loom", load, state)
         self._start(module)
@@ -184,30 +196,40 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         """The job's first step is a sync: every group takes group 0's weights. A group joining later heals instead.
 
         torchft syncs process r of every group from process r of one group (a different one for each r,
-        to spread the load); the broadcast within each group then makes all take group 0's.
+        to spread the load); the broadcast within each group then makes all take group 0's. Until
+        this group is in the job (the sync or its heal applied), it takes quorums again: a heal whose
+        live group died in the middle is taken again from another, never started over at step 0.
         """
         started = time.time()
         self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
-        self._quorum()
-        self._wait_for_every_group(started)
-        if self._manager.current_step() > 0:  # the job is under way: this group healed in that quorum
-            self._ghost_step(started)
-            return
-        self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
-        self._manager.should_commit()
+        while True:
+            self._quorum()
+            self._wait_for_every_group(started)
+            if self._under_way():  # this group heals in that quorum
+                self._ghost_step(started)
+                if self._heal_applied:
+                    return
+                continue
+            self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
+            if self._manager.should_commit():
+                break
         with self._guard(), torch.no_grad():
             for tensor in module.state_dict().values():
                 dist.broadcast(tensor, 0)
 
+    def _under_way(self) -> bool:
+        """Whether a group of the current quorum has trained: the job has started (this group's own step may still be 0)."""
+        return self._manager.current_step() > 0 or (self._quorums.last is not None and self._quorums.last.max_step > 0)
+
     def _wait_for_every_group(self, started: float) -> None:
-        """Take quorums until one shows the job under way (this group healed) or holds every group.
+        """Take quorums until one shows the job under way (this group heals) or holds every group.
 
         A quorum of groups all at step 0 is not enough to start the job: a group that started it may be
         missing only for a moment (its heartbeat late on a busy machine). Starting again without it
         would train the batches it trained a second time, on weights it never takes.
         """
         waiting = False
-        while self._manager.current_step() == 0 and len(self._quorum_groups()) < self.groups:
+        while not self._under_way() and len(self._quorum_groups()) < self.groups:
             if not waiting:
                 self._events.write("waiting", groups=list(self._quorum_groups()))
                 waiting = True
@@ -226,7 +248,22 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     def _quorum(self) -> None:
         self._manager.start_quorum()
         self._manager.wait_quorum()
+        self._check_same_job()
 
+    def _check_same_job(self) -> None:
+        """Refuse a quorum with a group of another job (launched with another script, arguments, --groups or --nproc),
+        or a second group of this group's number: each would train on as if it were one of ours."""
+        seen: set[str] = set()
+        for replica in self._quorums.last.replica_ids if self._quorums.last else ():
+            job, _, group = replica.split(":")[0].rpartition("_group_")
+            if job != f"job{self._job}":
+                raise LaunchError(
+                    f"group {group} runs another job than group {self.group} (its script, arguments, --groups or --nproc differ: "
+                    f"{job.removeprefix('job') or 'none'} vs {self._job or 'none'}): start every group with the same `loom run` line"
+                )
+            if group in seen:
+                raise LaunchError(f"two launchers run group {group} of this job: give each host its own --group")
+            seen.add(group)
     def _next_batch(self, end: int) -> int | None:
         """The global batch this step trains, after its quorum; None once the job has trained batch ``end - 1``.
 
@@ -267,9 +304,20 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         self._in_step = False
         weight = self.membership.samples / self._global_batch
         flats = [_flatten(bucket).mul_(weight) for bucket in self._buckets]
-        self._sum_across_groups(flats)
+        history = self._history.slots(self.group, self.groups)
+        self._sum_across_groups([history, *flats])
+        diverged = History.diverged(history)
+        if diverged:  # a split quorum's branches met: nobody applies this step, and the other branch leaves
+            self._manager.report_error(RuntimeError(f"group(s) {diverged} trained another branch of the job"))
         committed = self.committed = self._manager.should_commit()
+        if self.group in diverged:
+            self._events.write("diverged", batch=self.membership.batch, groups=list(self.membership.groups))
+            raise LaunchError(
+                f"group {self.group} trained other steps than group {min(self.membership.groups)} (the lighthouse split the quorum: "
+                "a group's heartbeat lapsed while both were at one step); it stops to be restarted and heal from it (--max-restarts)"
+            )
         if committed:
+            self._history.advance(self.membership.quorum_id)
             for bucket, flat in zip(self._buckets, flats):
                 _unflatten(flat, bucket)
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
@@ -297,9 +345,10 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     def _ghost_step(self, started: float) -> None:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
         flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
-        self._sum_across_groups(flats)
-        self._heal_applied = self._manager.should_commit()  # loads the live group's state before deciding
+        self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), *flats])
+        self._heal_applied = self._manager.should_commit()  # loads the live group's state (and history) before deciding
         if self._heal_applied:
+            self._history.advance(ft_quorum_id(self._manager))
             for bucket, flat in zip(self._buckets, flats):
                 _unflatten(flat, bucket)
             self._optimizer.step()

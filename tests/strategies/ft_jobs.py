@@ -1,0 +1,83 @@
+"""Launching ``tests/scripts/ft_train.py`` under ``loom run --groups`` and reading what it trained: shared by the FT tests."""
+
+import importlib.util
+import json
+import re
+import subprocess
+from collections import Counter
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import loom
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+
+spec = importlib.util.spec_from_file_location("ft_train", SCRIPTS / "ft_train.py")
+ft_train = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(ft_train)
+
+
+def one_device() -> tuple[dict[str, torch.Tensor], dict]:
+    """The reference: one process trains group 0's start-up weights on every global batch, with the same
+    schedule; its final weights and learning rate."""
+    strategy = loom.OneDeviceStrategy("cpu")
+    model, opt = strategy.prepare(ft_train.make_model(1), ft_train.optimizer)
+    sched = ft_train.scheduler(opt)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
+    loader = strategy.distribute(ft_train.Numbered(), batch_size=ft_train.BATCH, shuffle=True)
+    for _ in range(ft_train.EPOCHS):
+        for x, y, _ids in loader:
+            step(x, y)
+    return loom.unwrap(model).state_dict(), ft_train.schedule_state(opt, sched)
+
+
+def start_job(out, *flags, env=None):
+    return subprocess.Popen(
+        [*LOOM, "run", *flags, str(SCRIPTS / "ft_train.py"), str(out)],
+        cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def finish(job, timeout):
+    try:
+        out, err = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, err = job.communicate()
+        pytest.fail(f"the job did not finish within {timeout}s:\n{err[-3000:]}")
+    assert job.returncode == 0, err[-3000:]
+    return err
+
+
+def read_steps(out):
+    return [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+
+
+def assert_close(a, b):
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def samples_per_epoch(steps):
+    """Sample ids trained in each epoch, counted once per process slice of each committed batch."""
+    epochs: dict[int, Counter] = {}
+    for s in steps:
+        epochs.setdefault(s["batch"] // 8, Counter()).update(s["ids"])
+    return epochs
+
+
+@contextmanager
+def lighthouse() -> Iterator[str]:
+    """``loom lighthouse`` in a process of its own (as on another host): its HOST:PORT, as it prints it."""
+    proc = subprocess.Popen([*LOOM, "lighthouse", "--port", "0"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()  # its first line, or "" if it died; the test's timeout bounds the wait
+        found = re.search(r"listening on (\S+);", line)
+        assert found, f"loom lighthouse said {line!r}"
+        yield found[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

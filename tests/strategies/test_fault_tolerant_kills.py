@@ -1,0 +1,171 @@
+"""Kills -9 of real processes under ``loom run --groups 3``, in one job paced step by step (tests/scripts/ft_kills.py).
+
+1. Groups 1 and 2 are killed at once in the middle of a step: group 0 trains on alone.
+2. Group 1 comes back and is killed while it reads the heal's state from group 0.
+3. It comes back again and heals. Group 2 comes back, and the group serving its heal is killed in
+   the middle of the response. Group 2, its heal cut short, is left without a live group for a
+   while: it waits (it must not start the job over at step 0), then heals from the third group,
+   which trains on; the killed server comes back and heals too.
+
+Through it all every sample of each epoch is trained exactly once, and at the end every group holds
+the same weights, which equal OneDevice's on the global batches.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
+
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, finish, one_device, read_steps, samples_per_epoch  # noqa: E402
+
+
+class Job:
+    """The launched job and the files it writes, with waits bounded by one deadline."""
+
+    def __init__(self, out, env, timeout, groups=3, restarts=3):
+        self.out, self.deadline = out, time.monotonic() + timeout
+        (out / "events").mkdir()
+        self.allow(3)
+        self.proc = subprocess.Popen(
+            [*LOOM, "run", "--groups", str(groups), "--nproc", "1", "--max-restarts", str(restarts), str(SCRIPTS / "ft_kills.py"), str(out)],
+            cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", "LOOM_FT_EVENTS": str(out / "events"), **env}),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def allow(self, batches, group=None):
+        name = "allow" if group is None else f"allow-{group}"
+        (self.out / "allow.tmp").write_text(str(batches))
+        os.replace(self.out / "allow.tmp", self.out / name)
+
+    def until(self, condition, what):
+        while not condition():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the job ended while waiting until {what}:\n{self.proc.communicate()[1][-3000:]}")
+            if time.monotonic() > self.deadline:
+                self.proc.kill()
+                pytest.fail(f"timed out waiting until {what}:\n{self.proc.communicate()[1][-3000:]}")
+            time.sleep(0.05)
+
+    def parked(self, name):
+        """The pid, group and life a parked process wrote to ``name``, once written whole; the file is then removed."""
+        path = self.out / name
+        self.until(lambda: path.exists() and path.read_text().count(" ") == 2, f"a process parks at {name}")
+        pid, group, life = map(int, path.read_text().split())
+        path.unlink()
+        return pid, group, life
+
+    def steps(self):
+        return read_steps(self.out) if (self.out / "steps.jsonl").exists() else []
+
+    def committed(self, group, batch, restart=None):
+        return any(s["g"] == group and s["batch"] == batch and restart in (None, s["restart"]) for s in self.steps())
+
+    def events(self, group):
+        path = self.out / "events" / f"group-{group}.jsonl"
+        text = path.read_text() if path.exists() else ""
+        return [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines()]
+
+    def joining(self, group, restart):
+        return any(e["event"] == "joining" and e["restart"] == restart for e in self.events(group))
+
+
+@pytest.mark.timeout(420)
+def test_two_groups_killed_at_once_and_kills_during_healing_lose_and_double_no_sample(tmp_path):
+    job = Job(tmp_path, {"PARK": "1:2,2:2", "GATE": "1:1,1:2,2:1", "TRIP_LOAD": "1:1"}, timeout=400)
+
+    # 1. groups 1 and 2 killed at once, mid-step: batch 2 is not applied, group 0 trains it alone
+    parked = [job.parked(f"parked-{g}")[0] for g in (1, 2)]
+    for pid in parked:
+        os.kill(pid, signal.SIGKILL)
+    job.until(lambda: job.committed(0, 2), "group 0 trains batch 2 without groups 1 and 2")
+
+    # 2. group 1's next life is killed while it reads the heal's state: group 0 trains batch 3 alone
+    (tmp_path / "join-1-1").touch()
+    job.until(lambda: job.joining(1, 1), "group 1 asks to join again")
+    job.allow(4)
+    os.kill(job.parked("parked-1")[0], signal.SIGKILL)
+    job.until(lambda: job.committed(0, 3), "group 0 trains batch 3 without group 1")
+
+    # 3. group 1 heals; then the group serving group 2's heal is killed in the middle of its response
+    (tmp_path / "join-1-2").touch()
+    job.until(lambda: job.joining(1, 2), "group 1 asks to join a second time")
+    job.allow(5)
+    job.until(lambda: job.committed(0, 4) and any(e["event"] == "healed" for e in job.events(1)), "group 1 heals")
+    (tmp_path / "trip-send").touch()
+    (tmp_path / "join-2-1").touch()
+    job.until(lambda: job.joining(2, 1), "group 2 asks to join again")
+    job.allow(6)
+    server_pid, server, life = job.parked("trip-send")
+    live = ({0, 1} - {server}).pop()
+    job.allow(5)  # the live group, its step refused, waits: group 2 is left alone (or with the server's next life)
+    os.kill(server_pid, signal.SIGKILL)
+    job.until(lambda: any(e["event"] in ("waiting", "commit") for e in job.events(2)[-1:]), "group 2's heal fails and it waits")
+    job.allow(6)
+    job.until(lambda: job.committed(live, 5), f"group {live} trains batch 5 without group {server}")
+    job.until(lambda: job.joining(server, life + 1), f"group {server}, which served the heal, asks to join again")
+    job.allow(99)
+    err = finish(job.proc, max(job.deadline - time.monotonic(), 30))
+
+    steps = read_steps(tmp_path)
+    for epoch, count in samples_per_epoch(steps).items():
+        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    by_batch = {s["batch"]: s["groups"] for s in steps if s["g"] == 0}
+    assert by_batch[2] == by_batch[3] == [0]  # trained alone, then with group 1's heal cut short
+    assert len({s["pid"] for s in steps if s["g"] == live and s["batch"] >= 5}) == 1  # the server's death did not restart it
+    for g, restart in ((1, 2), (2, 1), (server, life + 1)):
+        assert any(s["g"] == g and s["restart"] == restart and s["batch"] == 15 for s in steps), f"group {g}'s life {restart} did not train to the end"
+    assert not any(s["g"] == 1 and s["restart"] == 1 for s in steps)  # killed while healing: it never trained
+    final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in range(3)}
+    assert all(torch.equal(final[0][k], final[g][k]) for g in (1, 2) for k in final[0])  # bit-identical
+    weights, schedule = one_device()
+    assert_close(final[0], weights)
+    assert all(json.loads((tmp_path / f"lr-{g}-0.json").read_text()) == schedule for g in range(3))
+    assert "batch 2 not applied" in err and "group 1 left at batch 2" in err and "group 2 left at batch 2" in err
+
+
+@pytest.mark.timeout(300)
+def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_other(tmp_path):
+    """Group 1 is stopped (SIGSTOP) until its heartbeat lapses: group 0 trains batch 3 alone. Then group 0 is
+    stopped in turn, outside any quorum, and group 1 goes on: it forms a quorum of its own and trains batch 3 as
+    well. When they meet at the same step, group 1 (the higher group) leaves with one line, restarts and heals
+    from group 0."""
+    job = Job(tmp_path, {}, timeout=280, groups=2, restarts=1)
+    job.until(lambda: job.committed(0, 2) and job.committed(1, 2), "both groups train batch 2")
+    pids = {g: next(s["pid"] for s in job.steps() if s["g"] == g) for g in (0, 1)}
+    job.allow(4, group=0)
+    job.allow(3, group=1)
+    os.kill(pids[1], signal.SIGSTOP)
+    job.until(lambda: job.committed(0, 3), "group 0 trains batch 3 without group 1")
+    os.kill(pids[0], signal.SIGSTOP)  # waiting before batch 4's quorum
+    job.allow(4, group=1)
+    os.kill(pids[1], signal.SIGCONT)
+    job.until(lambda: job.committed(1, 3), "group 1 trains batch 3 in a quorum of its own")
+    os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for it first
+    job.allow(99, group=1)
+    job.allow(5, group=0)
+    os.kill(pids[0], signal.SIGCONT)
+    job.until(lambda: (tmp_path / "asking-0").read_text() == "4", "group 0 asks for batch 4's quorum")
+    os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: group 0 alone is not a quorum, they meet at one step
+    job.until(lambda: job.joining(1, 1), "group 1, which left, restarts")
+    job.allow(99, group=0)
+    err = finish(job.proc, max(job.deadline - time.monotonic(), 30))
+
+    steps = read_steps(tmp_path)
+    assert [s["groups"] for s in steps if s["batch"] == 3 and s["restart"] == 0] in ([[0], [1]], [[1], [0]])  # the split
+    assert any(e["event"] == "diverged" for e in job.events(1))
+    assert "LaunchError: group 1 trained other steps than group 0 (the lighthouse split the quorum" in err
+    kept = [s for s in steps if not (s["g"] == 1 and s["restart"] == 0 and s["batch"] >= 3)]  # group 1's branch is dropped
+    for epoch, count in samples_per_epoch(kept).items():
+        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    assert any(s["g"] == 1 and s["restart"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end
+    final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1)}
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    assert_close(final[0], one_device()[0])
