@@ -9,8 +9,8 @@ $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
 	# Pinned first and alone: a looser request would pull a CUDA build of several GB.
 	$(PYTHON) -m pip install -q torch==2.13.0
-	# The xla extra (torchax, JAX on CPU) pins torch too, so it can never replace it; ft (torchft) installs beside it.
-	$(PYTHON) -m pip install -q -e ".[dev,xla,ft]" torch==2.13.0
+	# The xla extra (torchax, JAX on CPU) pins torch too, so it can never replace it; ft (torchft) and export (ONNX) install beside it.
+	$(PYTHON) -m pip install -q -e ".[dev,xla,ft,export]" torch==2.13.0
 	touch $(STAMP)
 
 demo: $(STAMP)
