@@ -72,14 +72,26 @@ class Receiver(Generic[T]):
 
 
 def _receive(results: Iterator[T], out: queue.Queue, stop: threading.Event) -> None:
+    for item in _guarded(results):
+        if not _put(out, item, stop) or isinstance(item, BaseException):
+            return  # stopped, or the error is the last item
+    _put(out, _END, stop)
+
+
+def _guarded(results: Iterator[T]) -> Iterator[T | BaseException]:
+    """``results``, then the error that ended them, if any, as the last item (raised again in the
+    loop's thread). No frame that holds the queue is in its traceback, and this one no longer holds
+    it: else error, traceback and frames would make a cycle that keeps the DataLoader iterator in
+    ``results`` (and its worker processes) alive after the receiver is dropped, until the cyclic
+    collector happens to run."""
     try:
-        for item in results:
-            if not _put(out, item, stop):
-                return
-        last: object = _END
+        yield from results
+        return
+    except GeneratorExit:  # the receiver stopped: closed here, the results are closed too
+        raise
     except BaseException as error:  # noqa: BLE001 - raised again in the loop's thread
-        last = error
-    _put(out, last, stop)
+        raised = [error.with_traceback(error.__traceback__.tb_next)]  # type: ignore[union-attr] - set while handled
+    yield raised.pop()
 
 
 def _put(out: queue.Queue, item: object, stop: threading.Event) -> bool:

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -89,6 +90,30 @@ def test_a_dropped_receiver_lets_go_of_what_it_read():
     del received
     gc.collect()
     assert finished.wait(5), "the thread still holds the iterator"
+
+
+def test_a_dropped_receiver_whose_reading_raised_lets_go_of_the_iterator_without_the_cyclic_collector():
+    """The error in its queue once held, through its traceback, the frame that held the queue: a
+    cycle that kept a DataLoader iterator (and its worker processes) alive until a collection."""
+
+    class Failing:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            raise RuntimeError("a worker died")
+
+    failing = Failing()
+    gone = weakref.ref(failing)
+    gc.disable()
+    try:
+        received = Receiver(iter(failing), depth=1)
+        del failing
+        received._thread.join(10)
+        del received
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def _slowly(x):
