@@ -85,6 +85,8 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         **options: MirroredStrategy's DDP options, for the processes of a group.
     """
 
+    trains_across_groups = True
+
     def __init__(self, precision: str = "32", timeout: float | None = None, **options: Any) -> None:
         if precision == "16-mixed":
             raise ValueError("FaultTolerantMirroredStrategy cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
@@ -144,8 +146,6 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         with self._guard():
             dist.barrier()
         return manager if self.cluster.rank == 0 else make()
-
-    trains_across_groups = True
 
     # ---- topology follows the membership ------------------------------------------------------
     @property
