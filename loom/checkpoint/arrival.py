@@ -1,9 +1,9 @@
-"""Every replica calls save and restore: one that does not is named within seconds.
+"""Every replica calls save and restore: one that does not is named within a minute.
 
 ``if rank == 0: strategy.save(...)`` is the habit of single-writer checkpoints. A DCP save is
 collective, so the ranks that called it would wait in its first collective for the whole
 collective timeout, then fail with gloo's words. Instead each rank announces in the job's
-store that it reached its n-th save, and waits a short while for the others: a rank that is
+store that it reached its n-th save, and waits a while for the others: a rank that is
 alive and does not come (or has finished) did not call save.
 """
 
@@ -22,14 +22,14 @@ from loom.compat import default_store
 from loom.errors import CheckpointError
 
 WAIT_ENV = "LOOM_SAVE_TIMEOUT"
-DEFAULT_WAIT = 10.0
+DEFAULT_WAIT = 60.0  # a healthy job never waits it out; a rank that lags one slow step must not fail the job
 POLL = 0.05
 _LOOM = str(Path(__file__).resolve().parents[1]) + os.sep
 _calls: dict[str, int] = {}  # this process's saves and restores so far: the same count on every rank
 
 
 def resolve_wait() -> float:
-    """Seconds to wait for the other ranks to arrive (``LOOM_SAVE_TIMEOUT``, default 10)."""
+    """Seconds to wait for the other ranks to arrive (``LOOM_SAVE_TIMEOUT``, default 60)."""
     return seconds_from_env(WAIT_ENV, DEFAULT_WAIT)
 
 

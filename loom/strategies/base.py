@@ -395,7 +395,7 @@ class Strategy(TFNames, ABC):
         one after the newest checkpoint in ``directory``. The last ``keep`` checkpoints are
         kept. With ``async_save`` training goes on while it is written. ``durable`` fsyncs
         every file before the commit, so a machine that loses power keeps it too. A replica
-        that does not call it is named within ``LOOM_SAVE_TIMEOUT`` seconds (10).
+        that does not call it is named within ``LOOM_SAVE_TIMEOUT`` seconds (60).
         """
         peers = self._connection.monitor if self._connection is not None else None
         scalers = {f"{name}{SCALER_SUFFIX}": v.scaler.state_dict() for name, v in scaled_optimizers(state).items()}

@@ -70,7 +70,7 @@ def test_bad_cli_input_is_one_line(capsys):
     assert "across machines use --ps-hosts and --role instead" in capsys.readouterr().err
 
 
-TIMEOUTS = {"LOOM_TIMEOUT": 300, "LOOM_HEARTBEAT_TIMEOUT": 30, "LOOM_HANG_CHECK": 15, "LOOM_SAVE_TIMEOUT": 10, "LOOM_RENDEZVOUS_REPORT": 30}
+TIMEOUTS = {"LOOM_TIMEOUT": 300, "LOOM_HEARTBEAT_TIMEOUT": 30, "LOOM_HANG_CHECK": 15, "LOOM_SAVE_TIMEOUT": 60, "LOOM_RENDEZVOUS_REPORT": 30}
 
 
 @pytest.mark.parametrize("name", TIMEOUTS)
