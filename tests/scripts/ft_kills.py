@@ -14,6 +14,7 @@ the pen:
 - ``TRIP_LOAD=G:R``: life R of group G stops while it reads a heal's state (its pid in OUT/parked-G).
 - ``OUT/trip-send``, while it exists: the next process that serves a heal stops in the middle of the
   response (the HTTP headers sent, the state's bytes not yet) and writes its pid, group and life there.
+- ``OUT/quorum-G-R`` appears when life R of group G sends its first quorum request.
 
 Both trips are in the scheduler's state (``Tripwire``), which torchft pickles into the response of
 the group serving a heal and unpickles in the healing group.
@@ -92,7 +93,20 @@ def paced(strategy, loader):
             return
 
 
+def _say_when_asking() -> None:
+    """Touch OUT/quorum-G-R at this life's first quorum request: until then a quorum may form without it."""
+    sent = loom.compat._RecordingClient._quorum
+    marker = OUT / f"quorum-{GROUP}-{RESTART}"
+
+    def _quorum(self, *args, **kwargs):
+        marker.touch()
+        return sent(self, *args, **kwargs)
+
+    loom.compat._RecordingClient._quorum = _quorum
+
+
 def main() -> None:
+    _say_when_asking()
     if (GROUP, RESTART) in _pairs("GATE"):
         while not (OUT / f"join-{GROUP}-{RESTART}").exists():
             time.sleep(0.05)
