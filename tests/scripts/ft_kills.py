@@ -14,7 +14,7 @@ the pen:
 - ``TRIP_LOAD=G:R``: life R of group G stops while it reads a heal's state (its pid in OUT/parked-G).
 - ``OUT/trip-send``, while it exists: the next process that serves a heal stops in the middle of the
   response (the HTTP headers sent, the state's bytes not yet) and writes its pid, group and life there.
-- ``OUT/quorum-G-R`` appears when life R of group G sends its first quorum request.
+- ``OUT/quorum-G-R`` counts the quorum requests life R of group G has sent.
 
 Both trips are in the scheduler's state (``Tripwire``), which torchft pickles into the response of
 the group serving a heal and unpickles in the healing group.
@@ -94,13 +94,16 @@ def paced(strategy, loader):
 
 
 def _say_when_asking() -> None:
-    """Touch OUT/quorum-G-R at this life's first quorum request: until then a quorum may form without it."""
-    sent = loom.compat._RecordingClient._quorum
+    """Count this life's quorum requests in OUT/quorum-G-R: until a group's request is sent, a quorum may form without it."""
+    send = loom.compat._RecordingClient._quorum
     marker = OUT / f"quorum-{GROUP}-{RESTART}"
+    sent = 0
 
     def _quorum(self, *args, **kwargs):
-        marker.touch()
-        return sent(self, *args, **kwargs)
+        nonlocal sent
+        sent += 1
+        marker.write_text(str(sent))
+        return send(self, *args, **kwargs)
 
     loom.compat._RecordingClient._quorum = _quorum
 

@@ -66,6 +66,12 @@ class Job:
         path.unlink()
         return pid, group, life
 
+    def requests(self, group, life=0):
+        """How many quorum requests that life of the group has sent (0 while the count is being written)."""
+        path = self.out / f"quorum-{group}-{life}"
+        text = path.read_text() if path.exists() else ""
+        return int(text) if text.strip() else 0
+
     def steps(self):
         return read_steps(self.out) if (self.out / "steps.jsonl").exists() else []
 
@@ -162,8 +168,10 @@ def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_o
     os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for it first
     job.allow(99, group=1)
     job.allow(5, group=0)
+    sent = job.requests(0)
     os.kill(pids[0], signal.SIGCONT)
-    job.until(lambda: (tmp_path / "asking-0").read_text() == "4", "group 0 asks for batch 4's quorum")
+    # its request sent (which also stands for its lapsed heartbeat): group 1, woken next, meets it in one quorum
+    job.until(lambda: (tmp_path / "asking-0").read_text() == "4" and job.requests(0) > sent, "group 0 asks for batch 4's quorum")
     os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: group 0 alone is not a quorum, they meet at one step
     job.until(lambda: job.joining(1, 1), "group 1, which left, restarts")
     job.allow(99, group=0)
