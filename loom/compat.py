@@ -139,6 +139,20 @@ def elastic_agent(build: Callable[..., Any]) -> Iterator[None]:
         launcher_api.LocalElasticAgent = original
 
 
+@contextmanager
+def worker_handlers(handler: Callable[..., Any]) -> Iterator[None]:
+    """torch's agent, run in this block, wraps each worker process it starts in ``handler``, a
+    ``SubprocessHandler`` subclass (torch 2.13 makes them with ``api.get_subprocess_handler``)."""
+    import torch.distributed.elastic.multiprocessing.api as api  # imported by launchers only
+
+    original = api.get_subprocess_handler
+    api.get_subprocess_handler = handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
+
+
 def flight_recorder_entries() -> list[dict[str, Any]]:
     """torch's flight recorder: each process group's recent collectives, oldest first.
 

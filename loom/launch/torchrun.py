@@ -28,10 +28,10 @@ from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_coun
 from loom.errors import LaunchError
 from loom.fast import allocator
 from loom.launch.agent import reporting_agent, wait_report_interval
+from loom.launch.zygote import WORKER, forked_workers
 from loom.launch.failures import report
 from loom.strategies.base import LAYOUT_ENV
 
-WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 
 # Seconds the agent waits for workers to exit after SIGTERM before it kills them. (torch's
 # agent applies it when it is itself signalled; after a worker failure it waits its own 30 s,
@@ -212,7 +212,7 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
-        with reporting_agent(node, world_size, wait_report, hung):
+        with reporting_agent(node, world_size, wait_report, hung), forked_workers():
             run_torchrun(argv)
     except ChildFailedError as error:
         print(report(error.failures, world_size, "job failed", hung), file=sys.stderr, flush=True)

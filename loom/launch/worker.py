@@ -1,5 +1,7 @@
 """Every loom worker starts here: ``python -m loom.launch.worker SCRIPT|-m MODULE [args]``.
 
+(``--zygote FD PID`` starts the process that forks them instead, ``loom.launch.zygote``.)
+
 It runs the user's program as ``__main__`` and ends the process through ``clean_exit``. Kept
 out of the package's imports, so that ``-m`` runs it exactly once.
 """
@@ -17,6 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 from loom.launch.clean_exit import run_and_exit
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun's agent for each worker
+ZYGOTE_FLAG = "--zygote"
 
 
 def hand_exceptions_to_agent(print_it: Callable[..., Any]) -> Callable[..., Any]:
@@ -44,6 +47,11 @@ def hand_exceptions_to_agent(print_it: Callable[..., Any]) -> Callable[..., Any]
 
 
 def main(argv: list[str]) -> NoReturn:
+    if argv[:1] == [ZYGOTE_FLAG]:  # the launcher's zygote, which forks the workers (loom.launch.zygote)
+        from loom.launch.zygote import serve
+
+        serve(int(argv[1]), int(argv[2]))
+        os._exit(0)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit("usage: python -m loom.launch.worker SCRIPT [args] | -m MODULE [args]")
     sys.excepthook = hand_exceptions_to_agent(sys.excepthook)

@@ -1,0 +1,288 @@
+"""Workers forked from one interpreter that has imported torch: a start or restart costs milliseconds.
+
+Each worker of ``loom run`` would be a new Python that imports torch and loom, about two
+CPU-seconds, and each restart would pay it again. Instead, the node's first worker start launches
+the zygote, ``python -u -m loom.launch.worker --zygote ...``, with that worker's environment; it
+imports torch and loom once, then forks every worker of the node: the child takes its own
+environment, output files, working directory and session, and runs ``loom.launch.worker`` as a
+new process would. The zygote reports each worker's exit status, so to torch's agent a forked
+worker is a ``Popen`` like any other (``ForkedWorker``). Forked workers keep the zygote's command
+line and, in /proc, its environment (the first worker's: the job's MASTER_ADDR and MASTER_PORT),
+by which ``loom stacks`` finds a job.
+
+A worker whose environment differs from the first one's in a variable read only when a process
+starts (the allocator's, the dynamic loader's, Python's, OpenMP's) starts as a new process, and so
+does every worker under ``LOOM_FORK_WORKERS=0``.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from typing import IO, Any, Callable, Iterator
+
+FORK_ENV = "LOOM_FORK_WORKERS"
+WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
+# Read once, when a process starts: a worker that needs other values than the zygote's starts fresh.
+READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_LOGS")
+PRELOAD = ("torch", "torch.distributed", "loom", WORKER, "loom.strategies.data_parallel.mirrored", "loom.checkpoint.checkpointer", "loom.train")
+READY_TIMEOUT = 300.0  # the zygote's imports, on a machine as busy as it gets
+_MESSAGE = 1 << 20
+
+
+def compatible(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
+    """Whether a worker with ``env`` may be forked: it reads nothing at start that differs from the zygote's."""
+    names = {n for n in (*env, *zygote_env) if n.startswith(READ_AT_START)}
+    return all(env.get(n) == zygote_env.get(n) for n in names)
+
+
+def enabled() -> bool:
+    """Whether workers are forked from a zygote (``LOOM_FORK_WORKERS``, default 1)."""
+    return os.environ.get(FORK_ENV, "1") != "0"
+
+
+class ForkedWorker:
+    """A worker forked by the zygote, with the part of ``subprocess.Popen`` torch's agent uses."""
+
+    def __init__(self, zygote: Zygote, pid: int, args: tuple) -> None:
+        self._zygote, self.pid, self.args = zygote, pid, args
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass  # ended and reaped; the zygote's report is on its way
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The agent's side: starts the zygote, asks it for workers and hears their exits."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._process = subprocess.Popen(
+            [sys.executable, "-u", "-m", WORKER, "--zygote", str(theirs.fileno()), str(os.getpid())], env=env, pass_fds=[theirs.fileno()]
+        )
+        theirs.close()
+        self._socket = ours
+        self._asking = threading.Lock()  # one fork request at a time: its answer is the next "started"
+        self._started: queue.Queue[int | None] = queue.Queue()
+        self._exits: dict[int, int] = {}
+        self._changed = threading.Condition()
+        self._ready = threading.Event()
+        self._gone = False
+        threading.Thread(target=self._hear, name="loom-zygote", daemon=True).start()
+
+    def start(self, argv: list[str], env: dict[str, str], stdout: IO | None, stderr: IO | None, args: tuple) -> ForkedWorker | None:
+        """Fork a worker running ``loom.launch.worker argv``; None when the zygote cannot (it is gone)."""
+        with self._asking:
+            while not self._ready.wait(1.0):
+                if self._gone or self._process.poll() is not None:
+                    return None
+            if self._gone:
+                return None
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None}
+            try:
+                socket.send_fds(self._socket, [pickle.dumps(request)], [f.fileno() for f in (stdout, stderr) if f is not None])
+            except OSError:
+                return None
+            pid = self._started.get()
+        return ForkedWorker(self, pid, args) if pid is not None else None
+
+    def exit_code(self, pid: int, timeout: float | None) -> int | None:
+        """The worker's exit code (negative: the signal that ended it); None while it runs after ``timeout``."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self._gone, timeout)
+            if pid in self._exits:
+                return self._exits[pid]
+        if self._gone and not _alive(pid):  # orphaned when the zygote died: its status is lost with it
+            return -signal.SIGKILL
+        return None
+
+    def close(self) -> None:
+        """End the zygote (its workers were stopped by the agent)."""
+        self._socket.shutdown(socket.SHUT_RDWR)  # the zygote reads the end; close alone would wait for our reader
+        self._socket.close()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    def _hear(self) -> None:
+        while True:
+            try:
+                message = self._socket.recv(_MESSAGE)
+            except OSError:
+                message = b""
+            if not message:
+                break
+            kind, *rest = pickle.loads(message)  # our own zygote's, over a socket pair no one else holds
+            if kind == "ready":
+                self._ready.set()
+            elif kind == "started":
+                self._started.put(rest[0])
+            else:
+                with self._changed:
+                    self._exits[rest[0]] = rest[1]
+                    self._changed.notify_all()
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
+        self._started.put(None)
+
+
+@contextmanager
+def forked_workers() -> Iterator[None]:
+    """torch's agent, run in this block, starts its workers from a zygote when it can (see the module)."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    from loom.compat import worker_handlers
+
+    zygote: list[Zygote] = []
+    making = threading.Lock()
+
+    def popen(args: tuple, env: dict[str, str], stdout: IO | None, stderr: IO | None, fresh: Callable[[], Any]) -> Any:
+        if enabled() and tuple(args[:4]) == (sys.executable, "-u", "-m", WORKER):
+            with making:
+                if not zygote:
+                    zygote.append(Zygote(env))
+            if compatible(env, zygote[0].env):
+                worker = zygote[0].start(list(args[4:]), env, stdout, stderr, args)
+                if worker is not None:
+                    return worker
+        return fresh()
+
+    class Handler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            return popen(args, env, self._stdout, self._stderr, lambda: super(Handler, self)._popen(args, env))
+
+        def close(self, death_sig: signal.Signals | None = None) -> None:
+            try:
+                super().close(death_sig)
+            except ProcessLookupError:  # the zygote reaped it and its group is empty: a Popen child would still be a zombie
+                for output in (self._stdout, self._stderr):
+                    if output is not None:
+                        output.close()
+
+    try:
+        with worker_handlers(Handler):
+            yield
+    finally:
+        if zygote:
+            zygote[0].close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+# ---- the zygote -----------------------------------------------------------------------------------
+def serve(fd: int, parent: int) -> None:
+    """The zygote: import torch and loom, then fork a worker for each request on socket ``fd``."""
+    import ctypes
+    import importlib
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with its agent
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        return
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    channel = socket.socket(fileno=fd)
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    channel.send(pickle.dumps(("ready",)))
+    while True:
+        readable, _, _ = select.select([channel, wake_read], [], [])
+        if wake_read in readable:
+            os.read(wake_read, 4096)
+            _reap(channel)
+        if channel in readable:
+            message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 2)
+            if not message:
+                return  # the agent is done
+            pid = os.fork()
+            if pid == 0:
+                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write])
+            for fd in fds:
+                os.close(fd)
+            channel.send(pickle.dumps(("started", pid)))
+
+
+def _reap(channel: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        channel.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
+
+
+def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int]) -> None:
+    """In the forked child: become the worker a new process would be, then run it; never returns."""
+    try:
+        os.setsid()  # torch's agent signals the worker's process group
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in zygote_fds:
+            os.close(fd)
+        for target, fd in zip([t for t, given in ((1, request["stdout"]), (2, request["stderr"])) if given], fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        if "numpy" in sys.modules:  # a new process seeds numpy's global generator from the OS; forked ones would share it
+            sys.modules["numpy"].random.seed()
+        from loom.launch import worker
+
+        worker.main(request["argv"])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+

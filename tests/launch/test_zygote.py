@@ -1,0 +1,64 @@
+"""Workers forked from the launcher's zygote are the processes a new interpreter would be."""
+
+import json
+import subprocess
+
+from loom.launch.zygote import compatible
+from tests.helpers import LOOM, job_env
+
+SCRIPT = """
+import json, os, sys
+import numpy as np
+import torch, loom
+
+strategy = loom.MirroredStrategy()
+rank, restart = strategy.cluster.rank, int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+model, opt = strategy.prepare(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+strategy.backward(model(torch.ones(8, 4)).sum())
+opt.step()
+parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+found = {"pid": os.getpid(), "parent": os.getppid(), "zygote": b"--zygote" in parent, "rank_env": os.environ["RANK"],
+         "argv": sys.argv, "cwd": os.getcwd(), "draw": float(np.random.rand()), "weight": model.module.weight.sum().item()}
+with open(os.path.join(sys.argv[1], f"{restart}-{rank}.json"), "w") as f:
+    json.dump(found, f)
+if restart == 0 and rank == 1 and sys.argv[2] == "fail":
+    sys.exit(3)
+"""
+
+
+def _launch(tmp_path, fork, fail):
+    out = tmp_path / f"fork{fork}"
+    out.mkdir()
+    script = tmp_path / "record.py"
+    script.write_text(SCRIPT)
+    args = ["run", "--nproc", "2", "--max-restarts", "1", str(script), str(out), "fail" if fail else "pass"]
+    agent = subprocess.Popen([*LOOM, *args], cwd=tmp_path, env=job_env({"LOOM_FORK_WORKERS": fork}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, err = agent.communicate(timeout=120)
+    assert agent.returncode == 0, err[-3000:]
+    return agent.pid, {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}, err
+
+
+def test_forked_workers_are_fresh_processes_and_a_restart_forks_again(tmp_path):
+    agent, runs, err = _launch(tmp_path, "1", fail=True)
+    assert sorted(runs) == ["0-0", "0-1", "1-0", "1-1"]
+    assert "restart 1 of 1: rank 1 on" in err and "exited with code 3" in err
+    zygotes = {r["parent"] for r in runs.values()}
+    assert len(zygotes) == 1 and agent not in zygotes and all(r["zygote"] for r in runs.values())  # restarts forked by the same zygote
+    assert len({r["pid"] for r in runs.values()}) == 4
+    for name, r in runs.items():
+        assert r["rank_env"] == name[-1] and r["argv"] == [str(tmp_path / "record.py"), str(tmp_path / "fork1"), "fail"]
+        assert r["cwd"] == str(tmp_path)
+    assert len({r["draw"] for r in runs.values()}) == 4  # numpy's global generator is seeded in each, as a new process's is
+    assert len({r["weight"] for r in runs.values()}) == 1  # and the job trains as one
+
+    agent, runs, _ = _launch(tmp_path, "0", fail=False)
+    assert {r["parent"] for r in runs.values()} == {agent} and not any(r["zygote"] for r in runs.values())
+
+
+def test_a_worker_that_reads_other_values_at_start_is_not_forked():
+    first = {"RANK": "0", "MALLOC_ARENA_MAX": "2", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1", "PATH": "/bin"}
+    assert compatible({**first, "RANK": "1", "CUDA_VISIBLE_DEVICES": "1"}, first)  # read later, when used
+    assert not compatible({**first, "MALLOC_ARENA_MAX": "4"}, first)
+    assert not compatible({k: v for k, v in first.items() if k != "GLIBC_TUNABLES"}, first)
+    assert not compatible({**first, "LD_PRELOAD": "libjemalloc.so"}, first)
+    assert not compatible({**first, "PYTHONHASHSEED": "0"}, first)
