@@ -40,8 +40,9 @@ from pathlib import Path
 
 from loom.cluster import ParameterServerCluster, parse_endpoint
 from loom.comm.process_group import TIMEOUT_ENV
-from loom.devices import thread_budget
+from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError, LoomError
+from loom.launch.zygote import WORKER, ForkedWorker, Forker
 
 SERVER_SAVE_SECONDS = 2.0
 SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
@@ -147,6 +148,7 @@ class _Job:
         self.threads = options.threads
         self.checkpoint_dir = options.checkpoint_dir
         self.state_dir: Path  # made by run(), once the set-up has passed its checks
+        self._forker = Forker() if not cuda_count() else None  # as loom run's workers (see loom.launch.zygote)
         self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
         if options.staleness is not None:
             self.env["LOOM_PS_STALENESS"] = str(options.staleness)
@@ -196,11 +198,13 @@ class _Job:
         """Where worker ``worker`` records the exception it dies of (``loom.launch.worker``)."""
         return self.state_dir / f"worker-{worker}.error.json"
 
-    def _start(self, worker: int) -> subprocess.Popen:
-        command = [sys.executable, "-m", "loom.launch.worker", *self.entry]
+    def _start(self, worker: int) -> subprocess.Popen | ForkedWorker:
+        """Worker ``worker``, forked from the zygote where it can be (``loom.launch.zygote``), else a new
+        process; either ends when this launcher dies. (Servers start as new processes, named in ``ps``.)"""
         self._error_file(worker).unlink(missing_ok=True)
         env = {**self.env, "LOOM_PS_WORKER": str(worker), ERROR_FILE_ENV: str(self._error_file(worker))}
-        return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+        forked = self._forker.fork(list(self.entry), env, die_with_parent=True) if self._forker is not None else None
+        return forked or subprocess.Popen([sys.executable, "-m", WORKER, *self.entry], env=env, preexec_fn=_die_with_parent)
 
     def _why(self, worker: int, code: int) -> str:
         """How a worker ended: the exception it recorded (its traceback printed here, once), else its code."""
@@ -319,6 +323,8 @@ class _Job:
                     proc.kill()
             if self.checkpoint_dir is None:  # this run's own temporary directory, named to no one: nothing resumes from it
                 shutil.rmtree(self.state_dir, ignore_errors=True)
+            if self._forker is not None:
+                self._forker.close()
         if failed:
             listed = "; ".join(f"worker {w} {why}" for w, why in sorted(failed.items()))
             others = "; the other workers completed" if len(workers_here) > len(failed) else ""

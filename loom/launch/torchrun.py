@@ -212,7 +212,7 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
-        with reporting_agent(node, world_size, wait_report, hung), forked_workers():
+        with reporting_agent(node, world_size, wait_report, hung), forked_workers(cpu=not cuda_count()):
             run_torchrun(argv)
     except ChildFailedError as error:
         print(report(error.failures, world_size, "job failed", hung), file=sys.stderr, flush=True)

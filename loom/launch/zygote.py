@@ -27,14 +27,13 @@ import subprocess
 import sys
 import threading
 from contextlib import contextmanager
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 FORK_ENV = "LOOM_FORK_WORKERS"
 WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 # Read once, when a process starts: a worker that needs other values than the zygote's starts fresh.
 READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_LOGS")
 PRELOAD = ("torch", "torch.distributed", "loom", WORKER, "loom.strategies.data_parallel.mirrored", "loom.checkpoint.checkpointer", "loom.train")
-READY_TIMEOUT = 300.0  # the zygote's imports, on a machine as busy as it gets
 _MESSAGE = 1 << 20
 
 
@@ -101,21 +100,26 @@ class Zygote:
         self._gone = False
         threading.Thread(target=self._hear, name="loom-zygote", daemon=True).start()
 
-    def start(self, argv: list[str], env: dict[str, str], stdout: IO | None, stderr: IO | None, args: tuple) -> ForkedWorker | None:
-        """Fork a worker running ``loom.launch.worker argv``; None when the zygote cannot (it is gone)."""
+    def start(self, argv: list[str], env: dict[str, str], stdout: IO | None, stderr: IO | None, new_session: bool,
+              die_with_parent: bool) -> ForkedWorker | None:  # fmt: skip
+        """Fork a worker running ``loom.launch.worker argv``; None when the zygote cannot (it is gone).
+
+        ``new_session`` as ``Popen``'s ``start_new_session``; ``die_with_parent``: SIGTERM when the
+        zygote dies, which dies with its launcher."""
         with self._asking:
             while not self._ready.wait(1.0):
                 if self._gone or self._process.poll() is not None:
                     return None
             if self._gone:
                 return None
-            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None}
+            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None,
+                       "new_session": new_session, "die_with_parent": die_with_parent}  # fmt: skip
             try:
                 socket.send_fds(self._socket, [pickle.dumps(request)], [f.fileno() for f in (stdout, stderr) if f is not None])
             except OSError:
                 return None
             pid = self._started.get()
-        return ForkedWorker(self, pid, args) if pid is not None else None
+        return ForkedWorker(self, pid, (sys.executable, "-m", WORKER, *argv)) if pid is not None else None
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
         """The worker's exit code (negative: the signal that ended it); None while it runs after ``timeout``."""
@@ -160,30 +164,51 @@ class Zygote:
         self._started.put(None)
 
 
+class Forker:
+    """Starts ``python -m loom.launch.worker ARGS`` processes for one launcher, forked from its zygote
+    (made with the first one's environment) where it can."""
+
+    def __init__(self) -> None:
+        self._zygote: Zygote | None = None
+        self._making = threading.Lock()
+
+    def fork(self, argv: list[str], env: dict[str, str], stdout: IO | None = None, stderr: IO | None = None,
+             new_session: bool = False, die_with_parent: bool = False) -> ForkedWorker | None:  # fmt: skip
+        """The forked worker; None where it must start as a new process (see the module)."""
+        if not enabled():
+            return None
+        with self._making:
+            if self._zygote is None:
+                self._zygote = Zygote(env)
+        if not compatible(env, self._zygote.env):
+            return None
+        return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent)
+
+    def close(self) -> None:
+        if self._zygote is not None:
+            self._zygote.close()
+
+
 @contextmanager
-def forked_workers() -> Iterator[None]:
-    """torch's agent, run in this block, starts its workers from a zygote when it can (see the module)."""
+def forked_workers(cpu: bool) -> Iterator[None]:
+    """torch's agent, run in this block, starts its workers from a zygote when it can (see the module).
+
+    On CPU only: a process that forks after initialising the CUDA driver leaves its children
+    without it, and there the start-up is a small part of a job's time.
+    """
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
     from loom.compat import worker_handlers
 
-    zygote: list[Zygote] = []
-    making = threading.Lock()
-
-    def popen(args: tuple, env: dict[str, str], stdout: IO | None, stderr: IO | None, fresh: Callable[[], Any]) -> Any:
-        if enabled() and tuple(args[:4]) == (sys.executable, "-u", "-m", WORKER):
-            with making:
-                if not zygote:
-                    zygote.append(Zygote(env))
-            if compatible(env, zygote[0].env):
-                worker = zygote[0].start(list(args[4:]), env, stdout, stderr, args)
-                if worker is not None:
-                    return worker
-        return fresh()
+    forker = Forker()
 
     class Handler(SubprocessHandler):
         def _popen(self, args: tuple, env: dict[str, str]) -> Any:
-            return popen(args, env, self._stdout, self._stderr, lambda: super(Handler, self)._popen(args, env))
+            if cpu and tuple(args[:4]) == (sys.executable, "-u", "-m", WORKER):
+                worker = forker.fork(list(args[4:]), env, self._stdout, self._stderr, new_session=True)
+                if worker is not None:
+                    return worker
+            return super()._popen(args, env)
 
         def close(self, death_sig: signal.Signals | None = None) -> None:
             try:
@@ -197,8 +222,17 @@ def forked_workers() -> Iterator[None]:
         with worker_handlers(Handler):
             yield
     finally:
-        if zygote:
-            zygote[0].close()
+        forker.close()
+
+
+def _die_with_parent(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL (Linux)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def _alive(pid: int) -> bool:
@@ -212,13 +246,9 @@ def _alive(pid: int) -> bool:
 # ---- the zygote -----------------------------------------------------------------------------------
 def serve(fd: int, parent: int) -> None:
     """The zygote: import torch and loom, then fork a worker for each request on socket ``fd``."""
-    import ctypes
     import importlib
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: dies with its agent
-    except OSError:
-        pass
+    _die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         return
     for name in PRELOAD:
@@ -226,6 +256,7 @@ def serve(fd: int, parent: int) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the launcher's terminal is for the launcher and the workers
     channel = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -241,9 +272,10 @@ def serve(fd: int, parent: int) -> None:
             message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 2)
             if not message:
                 return  # the agent is done
+            zygote = os.getpid()
             pid = os.fork()
             if pid == 0:
-                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write])
+                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write], zygote)
             for fd in fds:
                 os.close(fd)
             channel.send(pickle.dumps(("started", pid)))
@@ -260,12 +292,18 @@ def _reap(channel: socket.socket) -> None:
         channel.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int]) -> None:
+def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int], zygote: int) -> None:
     """In the forked child: become the worker a new process would be, then run it; never returns."""
     try:
-        os.setsid()  # torch's agent signals the worker's process group
+        if request["new_session"]:
+            os.setsid()  # torch's agent signals the worker's process group
+        if request["die_with_parent"]:
+            _die_with_parent(signal.SIGTERM)
+            if os.getppid() != zygote:  # it died before that took effect
+                os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for fd in zygote_fds:
             os.close(fd)
         for target, fd in zip([t for t, given in ((1, request["stdout"]), (2, request["stderr"])) if given], fds):
