@@ -15,10 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch.distributed as dist
-
-from loom.launch.zygote import compatible
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -31,10 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any, env: dict[str, str]) -> None:
-    os.environ.clear()  # the test's environment at the call, not the fork server's at its start
-    os.environ.update(env)
-    np.random.seed()  # as a new process's: forked ones would share the server's
+def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", LOOM_THREADS="1",
@@ -47,19 +41,6 @@ def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple
         results.put((rank, False, traceback.format_exc()))
 
 
-_TEST_PROCESS_ENV = dict(os.environ)  # as the fork server starts with it, in what it reads at start
-
-
-def _ranks_context() -> Any:
-    """Ranks forked from a server that imported torch and loom once, as loom run's workers are
-    (loom.launch.zygote); spawned, when the test set a variable read only at a process's start."""
-    if not compatible(dict(os.environ), _TEST_PROCESS_ENV):
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "loom", "loom.strategies.data_parallel.mirrored", "loom.checkpoint.checkpointer"])
-    return ctx
-
-
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> list[Any]:
     """``fn(*args)`` on ``world`` spawned ranks set up as torchrun would; returns results by rank.
 
@@ -68,10 +49,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 6
     """
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-    ctx = _ranks_context()
+    ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    env = dict(os.environ)
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results, env), daemon=True) for r in range(world)]
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     collected: dict[int, Any] = {}
