@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PYTHON) bench/collective_record.py
 	$(PYTHON) bench/breakdown_overhead.py
 	$(PYTHON) bench/live_recovery.py
+	$(PYTHON) bench/worker_start.py
 	-$(PYTHON) bench/parameter_server.py  # needs root for its network namespaces; says so otherwise
 	-$(PYTHON) bench/slow_link.py         # the same
 
