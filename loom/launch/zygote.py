@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import IO, Any, Iterator
 
@@ -35,6 +36,7 @@ WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_LOGS")
 PRELOAD = ("torch", "torch.distributed", "loom", WORKER, "loom.strategies.data_parallel.mirrored", "loom.checkpoint.checkpointer", "loom.train")
 _MESSAGE = 1 << 20
+READY_WAIT = 120.0  # seconds a start waits for the zygote's imports before starting a new process instead
 
 
 def compatible(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
@@ -107,9 +109,10 @@ class Zygote:
         ``new_session`` as ``Popen``'s ``start_new_session``; ``die_with_parent``: SIGTERM when the
         zygote dies, which dies with its launcher."""
         with self._asking:
+            deadline = time.monotonic() + READY_WAIT
             while not self._ready.wait(1.0):
-                if self._gone or self._process.poll() is not None:
-                    return None
+                if self._gone or self._process.poll() is not None or time.monotonic() > deadline:
+                    return None  # a new process instead; the zygote serves later starts once ready
             if self._gone:
                 return None
             request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None,
