@@ -3,7 +3,8 @@
 (``--zygote FD PID`` starts the process that forks them instead, ``loom.launch.zygote``.)
 
 It runs the user's program as ``__main__`` and ends the process through ``clean_exit``. Kept
-out of the package's imports, so that ``-m`` runs it exactly once.
+out of the package's imports, so that ``-m`` does not find it imported already (the zygote
+imports it as a module, to run ``main`` in the workers it forks).
 """
 
 from __future__ import annotations

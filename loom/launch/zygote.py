@@ -30,12 +30,15 @@ import time
 from contextlib import contextmanager
 from typing import IO, Any, Iterator
 
+from loom.comm.ring import pid_alive
+
 FORK_ENV = "LOOM_FORK_WORKERS"
 WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
 # Read once, when a process starts: a worker that needs other values than the zygote's starts fresh.
 READ_AT_START = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "PYTHON", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH_LOGS")
 PRELOAD = ("torch", "torch.distributed", "loom", WORKER, "loom.strategies.data_parallel.mirrored", "loom.checkpoint.checkpointer", "loom.train")
-_MESSAGE = 1 << 20
+_MESSAGE = 1 << 20  # the largest request (a worker's environment) or report the socket carries
+_LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_WAIT = 120.0  # seconds a start waits for the zygote's imports before starting a new process instead
 
 
@@ -46,8 +49,8 @@ def compatible(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
 
 
 def enabled() -> bool:
-    """Whether workers are forked from a zygote (``LOOM_FORK_WORKERS``, default 1)."""
-    return os.environ.get(FORK_ENV, "1") != "0"
+    """Whether workers are forked from a zygote (``LOOM_FORK_WORKERS``, default 1; Linux only)."""
+    return sys.platform == "linux" and os.environ.get(FORK_ENV, "1") != "0"
 
 
 class ForkedWorker:
@@ -99,6 +102,7 @@ class Zygote:
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition()
         self._ready = threading.Event()
+        self._ready_by = time.monotonic() + READY_WAIT
         self._gone = False
         threading.Thread(target=self._hear, name="loom-zygote", daemon=True).start()
 
@@ -109,9 +113,8 @@ class Zygote:
         ``new_session`` as ``Popen``'s ``start_new_session``; ``die_with_parent``: SIGTERM when the
         zygote dies, which dies with its launcher."""
         with self._asking:
-            deadline = time.monotonic() + READY_WAIT
             while not self._ready.wait(1.0):
-                if self._gone or self._process.poll() is not None or time.monotonic() > deadline:
+                if self._gone or self._process.poll() is not None or time.monotonic() > self._ready_by:
                     return None  # a new process instead; the zygote serves later starts once ready
             if self._gone:
                 return None
@@ -125,13 +128,21 @@ class Zygote:
         return ForkedWorker(self, pid, (sys.executable, "-m", WORKER, *argv)) if pid is not None else None
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
-        """The worker's exit code (negative: the signal that ended it); None while it runs after ``timeout``."""
+        """The worker's exit code (negative: the signal that ended it); None while it runs after ``timeout``.
+
+        A worker orphaned by the zygote's death is watched in /proc until it ends; its status died
+        with the zygote, and it is reported as killed."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._changed:
             self._changed.wait_for(lambda: pid in self._exits or self._gone, timeout)
             if pid in self._exits:
                 return self._exits[pid]
-        if self._gone and not _alive(pid):  # orphaned when the zygote died: its status is lost with it
-            return -signal.SIGKILL
+        while self._gone:
+            if not pid_alive(pid):
+                return -signal.SIGKILL
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
         return None
 
     def close(self) -> None:
@@ -145,26 +156,30 @@ class Zygote:
             self._process.wait()
 
     def _hear(self) -> None:
-        while True:
-            try:
-                message = self._socket.recv(_MESSAGE)
-            except OSError:
-                message = b""
-            if not message:
-                break
-            kind, *rest = pickle.loads(message)  # our own zygote's, over a socket pair no one else holds
-            if kind == "ready":
-                self._ready.set()
-            elif kind == "started":
-                self._started.put(rest[0])
-            else:
-                with self._changed:
-                    self._exits[rest[0]] = rest[1]
-                    self._changed.notify_all()
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
-        self._started.put(None)
+        try:
+            while True:
+                try:
+                    message = self._socket.recv(_MESSAGE)
+                except OSError:
+                    message = b""
+                if not message:
+                    return
+                kind, *rest = pickle.loads(message)  # our own zygote's, over a socket pair no one else holds
+                if kind == "ready":
+                    self._ready.set()
+                elif kind == "started":
+                    with self._changed:
+                        self._exits.pop(rest[0], None)  # a pid used again: the earlier worker's status is not this one's
+                    self._started.put(rest[0])
+                else:
+                    with self._changed:
+                        self._exits[rest[0]] = rest[1]
+                        self._changed.notify_all()
+        finally:
+            with self._changed:
+                self._gone = True
+                self._changed.notify_all()
+            self._started.put(None)
 
 
 class Forker:
@@ -238,14 +253,6 @@ def _die_with_parent(sig: int) -> None:
         pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 # ---- the zygote -----------------------------------------------------------------------------------
 def serve(fd: int, parent: int) -> None:
     """The zygote: import torch and loom, then fork a worker for each request on socket ``fd``."""
@@ -259,7 +266,10 @@ def serve(fd: int, parent: int) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C in the launcher's terminal is for the launcher and the workers
+    # Ctrl-C, a SIGTERM or SIGHUP to the launcher's process group are for the launcher, which stops the
+    # workers with their grace period: the zygote must live to report how they ended. It ends with the
+    # launcher (PDEATHSIG) or when the launcher is done. A child takes back the dispositions it had.
+    inherited = {s: signal.signal(s, signal.SIG_IGN) for s in _LAUNCHER_SIGNALS}
     channel = socket.socket(fileno=fd)
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
@@ -276,9 +286,15 @@ def serve(fd: int, parent: int) -> None:
             if not message:
                 return  # the agent is done
             zygote = os.getpid()
-            pid = os.fork()
+            try:
+                pid = os.fork()
+            except OSError:  # no memory or processes left: the launcher starts a new process, or says why
+                for fd in fds:
+                    os.close(fd)
+                channel.send(pickle.dumps(("started", None)))
+                continue
             if pid == 0:
-                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write], zygote)
+                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write], zygote, inherited)
             for fd in fds:
                 os.close(fd)
             channel.send(pickle.dumps(("started", pid)))
@@ -295,7 +311,7 @@ def _reap(channel: socket.socket) -> None:
         channel.send(pickle.dumps(("exited", pid, os.waitstatus_to_exitcode(status))))
 
 
-def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int], zygote: int) -> None:
+def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int], zygote: int, inherited: dict[int, Any]) -> None:
     """In the forked child: become the worker a new process would be, then run it; never returns."""
     try:
         if request["new_session"]:
@@ -306,7 +322,8 @@ def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int
                 os._exit(1)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig, disposition in inherited.items():
+            signal.signal(sig, disposition)
         for fd in zygote_fds:
             os.close(fd)
         for target, fd in zip([t for t, given in ((1, request["stdout"]), (2, request["stderr"])) if given], fds):

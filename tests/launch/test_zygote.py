@@ -1,7 +1,10 @@
 """Workers forked from the launcher's zygote are the processes a new interpreter would be."""
 
 import json
+import os
+import signal
 import subprocess
+import time
 
 from loom.launch.zygote import compatible
 from tests.helpers import LOOM, job_env
@@ -62,3 +65,41 @@ def test_a_worker_that_reads_other_values_at_start_is_not_forked():
     assert not compatible({k: v for k, v in first.items() if k != "GLIBC_TUNABLES"}, first)
     assert not compatible({**first, "LD_PRELOAD": "libjemalloc.so"}, first)
     assert not compatible({**first, "PYTHONHASHSEED": "0"}, first)
+
+
+GRACEFUL = """
+import os, pathlib, signal, sys, time
+import loom
+
+strategy = loom.MirroredStrategy()
+out, rank = pathlib.Path(sys.argv[1]), strategy.cluster.rank
+
+
+def stop(*_):
+    time.sleep(1.0)  # work a SIGTERM handler does before it exits: a save, say
+    (out / f"graceful-{rank}").write_text("1")
+    os._exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+(out / f"ready-{rank}").write_text("1")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_sigterm_to_the_launchers_process_group_leaves_the_workers_their_grace(tmp_path):
+    # as `timeout`, Slurm or a shell's kill -TERM -PGID send it: the zygote, in the launcher's group, must live
+    # to report the workers' ends, or the agent, seeing no worker it can wait for, kills them at once
+    script = tmp_path / "graceful.py"
+    script.write_text(GRACEFUL)
+    agent = subprocess.Popen([*LOOM, "run", "--nproc", "2", str(script), str(tmp_path)], cwd=tmp_path, env=job_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{r}").exists() for r in (0, 1)):
+        assert agent.poll() is None, agent.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the workers did not start within 120 s"
+        time.sleep(0.05)
+    os.killpg(agent.pid, signal.SIGTERM)
+    _, err = agent.communicate(timeout=90)
+    assert all((tmp_path / f"graceful-{r}").exists() for r in (0, 1)), err[-3000:]
