@@ -5,6 +5,9 @@ killing. Once armed, the signal only sets a flag; ``Strategy.preempted()`` combi
 of all replicas at a step boundary, so every replica stops after the same step and they can
 save together. Unarmed, SIGTERM ends the process as before. A rank whose peer has died still
 exits at once naming it (``loom.comm.health``): that SIGTERM is not a preemption.
+
+``fit`` arms only while it trains (``armed_while``): afterwards SIGTERM ends the process again,
+and one that came after fit's last step boundary is delivered then, as if unarmed.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 _requested = threading.Event()
 _armed = False
@@ -23,7 +28,43 @@ def arm() -> None:
     global _armed
     _armed = True
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, lambda signum, frame: request())  # no health monitor: one process
+        signal.signal(signal.SIGTERM, _on_sigterm)  # no health monitor: one process
+
+
+def disarm() -> None:
+    """SIGTERM ends the process again; one that came while armed and was not acted on is delivered now."""
+    _unarm()
+    if _requested.is_set():
+        _requested.clear()
+        signal.raise_signal(signal.SIGTERM)
+
+
+@contextmanager
+def armed_while() -> Iterator[None]:
+    """Armed in this block only (unless it already was). A block left by an exception, the
+    preemption's own ``SystemExit(0)`` included, is not signalled again."""
+    if _armed:
+        yield
+        return
+    _requested.clear()
+    arm()
+    try:
+        yield
+    except BaseException:
+        _unarm()
+        raise
+    disarm()
+
+
+def _unarm() -> None:
+    global _armed
+    _armed = False
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    request()
 
 
 def armed() -> bool:

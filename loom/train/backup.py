@@ -4,7 +4,7 @@ At start, fit restores the newest complete checkpoint (model, optimizer, input p
 epoch, history, every replica's RNG), or, when that one is damaged, the newest before it
 that is whole (saying so). It saves every ``every`` steps and at each epoch's end; a step
 that ends an epoch is saved once, by the epoch's save, which holds its logs (when the data
-has no length, that save replaces the step's, safely: ``layout.commit``). Once armed,
+has no length, that save replaces the step's, safely: ``layout.commit``). While fit trains,
 SIGTERM makes every replica save after the same step and exit 0; with ``loom run
 --max-restarts N`` a job that lost a process is restarted and resumes here.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from loom.comm import preemption
 from loom.strategies import Strategy
 from loom.train.callbacks import FitState
 
@@ -26,7 +25,6 @@ class BackupAndRestore:
         self.every = every
         self.keep = keep
         self.async_save = async_save
-        preemption.arm()
 
     def restore(self, state: FitState, loader: Any) -> int:
         """The epoch to start from: the saved one, with the model, optimizer and loader restored."""

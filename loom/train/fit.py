@@ -7,6 +7,7 @@ its own loss from ``model(inputs, targets)`` (the rules are ``train_step``'s).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from typing import Any, Callable, Container, Iterable, Iterator, Mapping, Optional, Sequence, Union
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from loom.comm import preemption
 from loom.data import DistributedLoader
 from loom.diagnostics.breakdown import timed_batches
 from loom.diagnostics.report import mention_advice, report
@@ -231,55 +233,56 @@ def fit(
     if checkpoint_dir is not None:
         backup = BackupAndRestore(strategy, checkpoint_dir, checkpoint_every, keep_checkpoints, async_checkpoint)
         first_epoch = max(initial_epoch, backup.restore(state, train))
-    stream = _repeated(train) if steps_per_epoch is not None else None  # a resumed loader continues where it was
-    for cb in hooks:
-        cb.on_train_begin(state)
-    inputs = None
-    for epoch in range(first_epoch, epochs):
-        state.epoch = epoch
-        if stream is None:
-            train.set_epoch(epoch)
-            batches = _batches(train)
-        else:  # the rest of this epoch's steps (all of them, unless resumed in the middle)
-            batches = itertools.islice(stream, steps_per_epoch - state.step % steps_per_epoch)
+    with preemption.armed_while() if backup is not None else contextlib.nullcontext():  # SIGTERM saves only while fit runs
+        stream = _repeated(train) if steps_per_epoch is not None else None  # a resumed loader continues where it was
         for cb in hooks:
-            cb.on_epoch_begin(state)
-        totals = _Totals(metrics_, strategy, strategy.device)
-        prepared.train()
-        start = time.perf_counter()
-        for inputs, targets, n in timed_batches(strategy.step_recorder, batches):
+            cb.on_train_begin(state)
+        inputs = None
+        for epoch in range(first_epoch, epochs):
+            state.epoch = epoch
+            if stream is None:
+                train.set_epoch(epoch)
+                batches = _batches(train)
+            else:  # the rest of this epoch's steps (all of them, unless resumed in the middle)
+                batches = itertools.islice(stream, steps_per_epoch - state.step % steps_per_epoch)
             for cb in hooks:
-                cb.on_batch_begin(state)
-            loss = step(inputs, targets)
-            # the padding of an uneven last batch is trained on, not counted
-            if n == batch_len(targets) or (n and loss_fn is None):  # a model's own loss: over the batch it trained on
-                totals.add(step.outputs, targets, loss, n)
-            elif n:
-                totals.add(step.outputs, targets, loss_fn(slice_batch(step.outputs, 0, n), slice_batch(targets, 0, n)), n)
-            state.step += 1
-            for cb in hooks:
-                cb.on_batch_end(state, loss)
+                cb.on_epoch_begin(state)
+            totals = _Totals(metrics_, strategy, strategy.device)
+            prepared.train()
+            start = time.perf_counter()
+            for inputs, targets, n in timed_batches(strategy.step_recorder, batches):
+                for cb in hooks:
+                    cb.on_batch_begin(state)
+                loss = step(inputs, targets)
+                # the padding of an uneven last batch is trained on, not counted
+                if n == batch_len(targets) or (n and loss_fn is None):  # a model's own loss: over the batch it trained on
+                    totals.add(step.outputs, targets, loss, n)
+                elif n:
+                    totals.add(step.outputs, targets, loss_fn(slice_batch(step.outputs, 0, n), slice_batch(targets, 0, n)), n)
+                state.step += 1
+                for cb in hooks:
+                    cb.on_batch_end(state, loss)
+                if backup is not None:
+                    backup.after_step(state, train)
+            elapsed = time.perf_counter() - start
+            logs, samples = totals.reduce(strategy)
+            if val is not None and _validates(epoch, validation_freq):
+                logs.update(_evaluate_loader(prepared, loss_fn, val, metrics_, state, hooks, validation_steps, prefix="val_"))
+            logs["samples_per_sec"] = samples / max(strategy.reduce(elapsed, "max"), 1e-9)
+            for key, value in logs.items():
+                state.history.setdefault(key, []).append(value)
             if backup is not None:
-                backup.after_step(state, train)
-        elapsed = time.perf_counter() - start
-        logs, samples = totals.reduce(strategy)
-        if val is not None and _validates(epoch, validation_freq):
-            logs.update(_evaluate_loader(prepared, loss_fn, val, metrics_, state, hooks, validation_steps, prefix="val_"))
-        logs["samples_per_sec"] = samples / max(strategy.reduce(elapsed, "max"), 1e-9)
-        for key, value in logs.items():
-            state.history.setdefault(key, []).append(value)
-        if backup is not None:
-            backup.after_epoch(state, train)
+                backup.after_epoch(state, train)
+            for cb in hooks:
+                cb.on_epoch_end(state, logs)
+            breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=False)  # always to log_dir
+            last = state.stop or epoch == epochs - 1
+            if progress and (breakdown.changed or last):  # the table when the verdict changes, and at the end
+                strategy.print(breakdown.table())
+            if last:
+                if progress:  # when loom.advise recommends another strategy, say so
+                    mention_advice(strategy, unwrap(prepared), inputs, breakdown)
+                break
         for cb in hooks:
-            cb.on_epoch_end(state, logs)
-        breakdown = report(strategy, loader=train, log_dir=log_dir, step=epoch + 1, show=False)  # always to log_dir
-        last = state.stop or epoch == epochs - 1
-        if progress and (breakdown.changed or last):  # the table when the verdict changes, and at the end
-            strategy.print(breakdown.table())
-        if last:
-            if progress:  # when loom.advise recommends another strategy, say so
-                mention_advice(strategy, unwrap(prepared), inputs, breakdown)
-            break
-    for cb in hooks:
-        cb.on_train_end(state)
-    return state.history
+            cb.on_train_end(state)
+        return state.history

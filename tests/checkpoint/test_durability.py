@@ -3,6 +3,9 @@ restore refuses what it cannot read: one process, no launcher."""
 
 import json
 import os
+import signal
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -12,8 +15,10 @@ from torch import nn
 
 import loom
 from loom.checkpoint import committed, layout
+from loom.comm import preemption
 from loom.errors import CheckpointMismatchError
 from tests.checkpoint.tamper import recommit
+from tests.helpers import ROOT, job_env
 from tests.scripts.fit_job import data
 
 
@@ -143,11 +148,11 @@ def test_strict_false_loads_a_pretrained_body_into_a_model_with_a_new_head(tmp_p
     ]
 
 
-def _fit(directory, epochs, strategy):
+def _fit(directory, epochs, strategy, callbacks=()):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
-    return loom.fit(model, F.cross_entropy, lambda p: torch.optim.Adam(p, lr=0.01), data(80, 0), epochs=epochs,
-                    batch_size=20, strategy=strategy, checkpoint_dir=str(directory), checkpoint_every=2, progress=False)  # fmt: skip
+    return loom.fit(model, F.cross_entropy, lambda p: torch.optim.Adam(p, lr=0.01), data(80, 0), epochs=epochs, batch_size=20,
+                    strategy=strategy, checkpoint_dir=str(directory), checkpoint_every=2, progress=False, callbacks=callbacks)  # fmt: skip
 
 
 def test_fit_saves_each_step_once_and_the_epoch_end_with_its_logs(tmp_path):
@@ -159,6 +164,27 @@ def test_fit_saves_each_step_once_and_the_epoch_end_with_its_logs(tmp_path):
     assert steps == [2, 4, 6, 8]
     meta = json.loads((tmp_path / "step-00000004" / "loom.json").read_text())
     assert meta["plain"]["epoch"] == 1 and len(meta["plain"]["history"]["loss"]) == 1
+
+
+def test_fit_arms_sigterm_only_while_it_trains(tmp_path):
+    """SIGTERM stayed a save request for the rest of the process: a later SIGTERM only printed a line."""
+    before = signal.getsignal(signal.SIGTERM)
+    _fit(tmp_path, 1, loom.OneDeviceStrategy())
+    assert signal.getsignal(signal.SIGTERM) is before and not preemption.armed()
+
+
+def test_a_sigterm_after_fits_last_step_ends_the_process_once_fit_returns(tmp_path):
+    script = tmp_path / "late.py"
+    script.write_text(
+        "import os, signal, sys\nimport loom\nfrom tests.checkpoint.test_durability import _fit\n"
+        "class Late(loom.train.Callback):\n"
+        "    def on_train_end(self, state):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "_fit(sys.argv[1], 1, loom.OneDeviceStrategy(), callbacks=[Late()])\nprint('after fit', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=job_env())  # fmt: skip
+    assert done.returncode == -signal.SIGTERM and "after fit" not in done.stdout, done.stderr
+    assert "loom: SIGTERM received" in done.stderr  # fit heard it after its last step, and delivered it on return
 
 
 def test_fit_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(tmp_path, capsys):

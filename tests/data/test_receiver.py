@@ -180,12 +180,14 @@ def test_a_forked_process_is_told_to_make_its_own_loader():
     iterator = iter(_loader(80))
     next(iterator)
     pid = os.fork()
-    if pid == 0:
+    if pid == 0:  # a copy of the test process: it must never return into pytest
+        code = 1
         try:
             next(iterator)
         except RuntimeError as error:
-            os._exit(0 if "forked" in str(error) else 2)
-        os._exit(1)
+            code = 0 if "forked" in str(error) else 2
+        finally:
+            os._exit(code)
     deadline = time.monotonic() + 20
     while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
