@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import pickle
-import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
+
+from loom.launch.zygote import WORKER, Forker
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -28,50 +28,69 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn: Callable[..., Any], rank: int, world: int, port: int, args: tuple, results: Any) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True", LOOM_THREADS="1",
-    )  # fmt: skip
-    try:
-        # Plain pickle: a tensor sent through the queue as-is goes by shared memory, which
-        # is gone once this process exits.
-        results.put((rank, True, pickle.dumps(fn(*args))))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+_FORKER = Forker()  # this test process's zygote: ranks start without importing torch again (loom.launch.zygote)
+
+
+class _Output:
+    """This process's stdout or stderr as the zygote passes it on: the descriptor, whatever pytest put there."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        return self._fd
+
+
+def _start_rank(directory: Path, rank: int, world: int, port: int) -> Any:
+    env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", "LOOM_THREADS": "1"}  # fmt: skip
+    argv = ["-m", "tests.rank", str(directory), str(rank)]
+    forked = _FORKER.fork(argv, env, _Output(1), _Output(2))
+    return forked or subprocess.Popen([sys.executable, "-m", WORKER, *argv], env=env, cwd=ROOT)
+
+
+def _result(directory: Path, rank: int, code: int | None) -> Any:
+    path = directory / f"{rank}.result"
+    if not path.exists():
+        raise AssertionError(f"rank {rank} exited with {code} and left no result")
+    ok, value = pickle.loads(path.read_bytes())
+    if not ok:
+        raise AssertionError(f"rank {rank} failed:\n{value}")
+    return value
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 60.0) -> list[Any]:
-    """``fn(*args)`` on ``world`` spawned ranks set up as torchrun would; returns results by rank.
+    """``fn(*args)`` on ``world`` ranks set up as torchrun would; returns results by rank.
 
-    The parent hosts the job's store, as torchrun's agent does. A child's exception is re-raised
-    here with its traceback; a rank that does not finish within ``timeout`` fails the test.
+    The ranks are forked as ``loom run``'s workers are, and run through ``loom.launch.worker``.
+    The parent hosts the job's store, as torchrun's agent does. A rank's exception is re-raised
+    here with its traceback as soon as it ends (the others are killed); a rank that does not
+    finish within ``timeout`` fails the test.
     """
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, world_size=world, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, args, results), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    collected: dict[int, Any] = {}
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(range(world)) - set(collected))
-                raise TimeoutError(f"rank(s) {missing} did not finish within {timeout}s") from None
-            if not ok:
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            collected[rank] = pickle.loads(value)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        del store
-    return [collected[r] for r in range(world)]
+    with tempfile.TemporaryDirectory(prefix="ranks-") as temp:
+        directory = Path(temp)
+        (directory / "call.pkl").write_bytes(pickle.dumps((fn, args)))
+        procs = [_start_rank(directory, rank, world, port) for rank in range(world)]
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        try:
+            while len(results) < world:
+                for rank, proc in enumerate(procs):
+                    if rank not in results and proc.poll() is not None:
+                        results[rank] = _result(directory, rank, proc.returncode)  # a failed rank fails the test now
+                if len(results) < world:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank(s) {sorted(set(range(world)) - set(results))} did not finish within {timeout}s")
+                    time.sleep(0.05)
+            return [results[rank] for rank in range(world)]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            del store
 
 
 def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
