@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import IO, Any, Callable
 
 import torch.distributed as dist
 
@@ -99,9 +100,101 @@ def job_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**inherited, "PYTHONPATH": str(ROOT), **(extra or {})}
 
 
-def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, **kw: Any) -> subprocess.CompletedProcess:
-    """``loom <args>`` in a subprocess, killed (failing the test) if it outlives ``timeout``."""
-    return subprocess.run([*LOOM, *args], capture_output=True, text=True, timeout=timeout, env=job_env(env), cwd=ROOT, **kw)
+class Launched:
+    """A ``loom`` command forked from this test process's zygote, with the part of ``Popen`` tests use."""
+
+    def __init__(self, worker: Any, args: list[str], stdout: IO | None, stderr: IO | None) -> None:
+        self._worker, self.args, self.pid = worker, args, worker.pid
+        self.stdout, self.stderr = stdout, stderr
+        self._read: dict[str, Any] = {}
+        self._readers: list[threading.Thread] | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._worker.returncode
+
+    def poll(self) -> int | None:
+        return self._worker.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._worker.wait(timeout)
+
+    def send_signal(self, sig: int) -> None:
+        self._worker.send_signal(sig)
+
+    def terminate(self) -> None:
+        self._worker.terminate()
+
+    def kill(self) -> None:
+        self._worker.kill()
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        """As ``Popen.communicate``: both pipes read to their ends, then the exit waited for."""
+        if self._readers is None:
+            self._readers = [threading.Thread(target=self._drain, args=(name, pipe), daemon=True)
+                             for name, pipe in (("stdout", self.stdout), ("stderr", self.stderr)) if pipe is not None]  # fmt: skip
+            for reader in self._readers:
+                reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
+        return self._read.get("stdout"), self._read.get("stderr")
+
+    def _drain(self, name: str, pipe: IO) -> None:
+        with pipe:
+            self._read[name] = pipe.read()
+
+
+def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
+          text: bool = False, start_new_session: bool = False) -> Any:  # fmt: skip
+    """``subprocess.Popen(args, ...)``; a ``loom`` command is forked from this test process's zygote
+    (``loom.launch.zygote``: it has imported torch), running ``loom.launch.cli`` as a new process would."""
+    if args[: len(LOOM)] == LOOM:
+        out_read, out_write = _ends(stdout, 1)
+        err_read, err_write = (None, out_write) if stderr == subprocess.STDOUT else _ends(stderr, 2)
+        forked = _FORKER.fork(["-m", LOOM[2], *args[len(LOOM) :]], env if env is not None else dict(os.environ), out_write, err_write,
+                              new_session=start_new_session, cwd=str(cwd))  # fmt: skip
+        for end in {out_write, err_write}:
+            if isinstance(end, _Pipe):
+                os.close(end.fileno())
+        reads = (out_read, err_read)
+        if forked is not None:
+            return Launched(forked, args, *(open(read, "r" if text else "rb") if read is not None else None for read in reads))
+        for read in reads:
+            if read is not None:
+                os.close(read)
+    return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)
+
+
+class _Pipe(_Output):
+    """A descriptor opened for a forked command (a pipe's write end, /dev/null), closed here once it has it."""
+
+
+def _ends(target: Any, fd: int) -> tuple[int | None, Any]:
+    """(our read end or None, what the child writes to) for ``Popen``'s ``stdout``/``stderr`` value ``target``."""
+    if target == subprocess.PIPE:
+        read, write = os.pipe()
+        return read, _Pipe(write)
+    if target == subprocess.DEVNULL:
+        return None, _Pipe(os.open(os.devnull, os.O_WRONLY))
+    if target is None:
+        return None, _Output(fd)
+    return None, target
+
+
+def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
+    """``loom <args>`` in a process of its own (``popen``), killed (failing the test) if it outlives ``timeout``."""
+    proc = popen([*LOOM, *args], cwd=cwd, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float = 60.0) -> list[subprocess.Popen]:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, free_port, job_env, wait_all
+from tests.helpers import LOOM, ROOT, free_port, job_env, popen, wait_all
 
 EXAMPLES = ROOT / "examples"
 CHEAP = {"TF_EXAMPLE_EPOCHS": "2", "OMP_NUM_THREADS": "1", "LOOM_THREADS": "1"}  # 2 epochs on the digits: accuracy 0.85-0.9
@@ -46,7 +46,7 @@ def test_multi_worker_with_tf_config(tmp_path):
     for index in range(2):
         config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
         env = job_env({**CHEAP, "TF_CONFIG": json.dumps(config), "TF_EXAMPLE_STEPS": "10", "TF_EXAMPLE_DIR": str(tmp_path / "backup")})
-        workers.append(subprocess.Popen([*LOOM, "run", str(EXAMPLES / "tf_multi_worker.py")], cwd=ROOT, env=env,
+        workers.append(popen([*LOOM, "run", str(EXAMPLES / "tf_multi_worker.py")], cwd=ROOT, env=env,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     (code0, out0, err0), (code1, out1, err1) = wait_all(workers, timeout=180)
     assert code0 == 0 and code1 == 0, err0[-2000:] + err1[-2000:]
@@ -68,7 +68,7 @@ def test_parameter_server_coordinator_with_tf_configs_chief(tmp_path):
     for kind, index in (("ps", 0), ("chief", 0), ("worker", 0), ("worker", 1)):
         config = {"cluster": cluster, "task": {"type": kind, "index": index}}
         env = job_env({**CHEAP, "TF_EXAMPLE_EPOCHS": "4", "LOOM_PS_TOKEN": "coordinator-example", "TF_CONFIG": json.dumps(config)})
-        tasks.append(subprocess.Popen([*LOOM, "run", str(EXAMPLES / "tf_parameter_server.py")], cwd=ROOT, env=env,
+        tasks.append(popen([*LOOM, "run", str(EXAMPLES / "tf_parameter_server.py")], cwd=ROOT, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
     (code_ps, _, err_ps), (code0, out0, err0), *workers = wait_all(tasks, timeout=180)
     assert code_ps == 0 and code0 == 0 and all(code == 0 for code, _, _ in workers), err0[-2000:] + "".join(e[-2000:] for _, _, e in workers)

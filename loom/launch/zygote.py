@@ -107,8 +107,9 @@ class Zygote:
         threading.Thread(target=self._hear, name="loom-zygote", daemon=True).start()
 
     def start(self, argv: list[str], env: dict[str, str], stdout: IO | None, stderr: IO | None, new_session: bool,
-              die_with_parent: bool) -> ForkedWorker | None:  # fmt: skip
-        """Fork a worker running ``loom.launch.worker argv``; None when the zygote cannot (it is gone).
+              die_with_parent: bool, cwd: str | None = None) -> ForkedWorker | None:  # fmt: skip
+        """Fork a worker running ``loom.launch.worker argv`` in ``cwd`` (default: ours); None when the
+        zygote cannot (it is gone).
 
         ``new_session`` as ``Popen``'s ``start_new_session``; ``die_with_parent``: SIGTERM when the
         zygote dies, which dies with its launcher."""
@@ -118,7 +119,7 @@ class Zygote:
                     return None  # a new process instead; the zygote serves later starts once ready
             if self._gone:
                 return None
-            request = {"argv": argv, "env": env, "cwd": os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None,
+            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None,
                        "new_session": new_session, "die_with_parent": die_with_parent}  # fmt: skip
             try:
                 socket.send_fds(self._socket, [pickle.dumps(request)], [f.fileno() for f in (stdout, stderr) if f is not None])
@@ -191,7 +192,7 @@ class Forker:
         self._making = threading.Lock()
 
     def fork(self, argv: list[str], env: dict[str, str], stdout: IO | None = None, stderr: IO | None = None,
-             new_session: bool = False, die_with_parent: bool = False) -> ForkedWorker | None:  # fmt: skip
+             new_session: bool = False, die_with_parent: bool = False, cwd: str | None = None) -> ForkedWorker | None:  # fmt: skip
         """The forked worker; None where it must start as a new process (see the module)."""
         if not enabled():
             return None
@@ -200,7 +201,7 @@ class Forker:
                 self._zygote = Zygote(env)
         if not compatible(env, self._zygote.env):
             return None
-        return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent)
+        return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent, cwd)
 
     def close(self) -> None:
         if self._zygote is not None:

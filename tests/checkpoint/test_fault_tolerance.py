@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loom.checkpoint import committed
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen, read_progress
 
 pytestmark = [
     pytest.mark.xdist_group("fault_tolerance"),  # its tests share one launched job: one test process runs them all
@@ -20,7 +20,7 @@ SCRIPT = str(SCRIPTS / "fit_resumable.py")
 
 
 def _start(out, checkpoints, kind, *flags):
-    return subprocess.Popen(
+    return popen(
         [*LOOM, "run", "--nproc", "2", "--timeout", "30", *flags, SCRIPT, str(out), str(checkpoints), kind],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

@@ -8,11 +8,11 @@ import socket
 import subprocess
 import time
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen
 
 
 def test_a_rank_killed_in_the_first_save_is_named_within_5_s(tmp_path):
-    job = subprocess.Popen(
+    job = popen(
         [*LOOM, "run", "--nproc", "2", "--threads", "1", str(SCRIPTS / "first_save_kill.py"), str(tmp_path)],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

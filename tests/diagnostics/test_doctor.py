@@ -6,7 +6,7 @@ import pytest
 
 from loom.cluster import NodeSpec
 from loom.diagnostics.doctor import _compare, reach_master
-from tests.helpers import LOOM, ROOT, free_port, job_env, loom_run, wait_all
+from tests.helpers import LOOM, ROOT, free_port, job_env, popen, wait_all
 from tests.netns import network, on_host, sh, why_no_namespaces
 
 pytestmark = pytest.mark.xdist_group("doctor")
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.xdist_group("doctor")
 def doctors(tmp_path, node1_env=None):
     master = f"127.0.0.1:{free_port()}"
     return wait_all([
-        subprocess.Popen(
+        popen(
             [*LOOM, "doctor", "--nnodes", "2", "--node-rank", str(rank), "--master", master, "--nproc", "1",
              "--threads", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--wait", "30"],
             cwd=ROOT, env=job_env(node1_env if rank else None), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -258,7 +258,7 @@ def test_gloos_abort_on_a_chief_only_reduce_is_named_as_the_divergence_not_a_cra
         f"all_reduce at chief_only_job.py:{reduce} runs under `if step == 2 and strategy.is_chief:` (chief_only_job.py:{guard}), on some ranks only"
     )
     survivor = next(line for line in stderr.splitlines() if line.startswith("loom: rank 1 on "))
-    assert f"cannot continue: rank 0 (" in survivor and f") was aborted in all_reduce (chief_only_job.py:{reduce}) while rank 1 is in all_reduce #" in survivor, survivor
+    assert "cannot continue: rank 0 (" in survivor and f") was aborted in all_reduce (chief_only_job.py:{reduce}) while rank 1 is in all_reduce #" in survivor, survivor
     assert f"(chief_only_job.py:{train}): {why}" in survivor, survivor
     assert last.startswith("loom: job failed: rank 0 on ") and f") was killed by SIGABRT in all_reduce (chief_only_job.py:{reduce}): {why}" in last, last
     assert last.endswith("; rank(s) 1 stopped because of it"), last

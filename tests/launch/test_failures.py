@@ -13,13 +13,13 @@ import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from loom.launch.failures import cause
-from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, loom_run
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, loom_run, popen
 
 KILL_SCRIPT = str(SCRIPTS / "train_until_killed.py")
 
 
 def start_training(pid_dir: Path, timeout: float) -> subprocess.Popen:
-    return subprocess.Popen(
+    return popen(
         [*LOOM, "run", "--nproc", "4", "--timeout", str(timeout), KILL_SCRIPT, str(pid_dir)],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -194,7 +194,7 @@ def test_each_restart_is_announced_with_its_cause(tmp_path):
 def test_sigterm_to_the_launcher_is_one_line(tmp_path):
     script = tmp_path / "waits.py"
     script.write_text(f"import os, pathlib, time\npathlib.Path({str(tmp_path / 'pid')!r}).write_text(str(os.getpid()))\ntime.sleep(60)\n")
-    job = subprocess.Popen([*LOOM, "run", "--nproc", "1", str(script)], cwd=ROOT, env=job_env(), stderr=subprocess.PIPE, text=True)
+    job = popen([*LOOM, "run", "--nproc", "1", str(script)], cwd=ROOT, env=job_env(), stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "pid").exists() or not (tmp_path / "pid").read_text():

@@ -1,10 +1,8 @@
 """One chief per job, and the job's first line: replicas and model-parallel degrees, then processes."""
 
-import subprocess
-
 import pytest
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import SCRIPTS, loom_run
 
 
 @pytest.mark.parametrize(
@@ -15,8 +13,7 @@ from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
     ],
 )
 def test_one_chief_and_the_first_line_counts_replicas(kind, first):
-    done = subprocess.run([*LOOM, "run", "--nproc", "2", str(SCRIPTS / "chief_job.py"), kind],
-                          cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = loom_run(["run", "--nproc", "2", str(SCRIPTS / "chief_job.py"), kind], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.splitlines()[0] == first, done.stderr[-3000:]
     assert done.stderr.count("loom: ") == 1

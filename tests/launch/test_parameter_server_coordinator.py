@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen
 
 STEPS = 8
 
@@ -32,7 +32,7 @@ def _kill_when_stopped(job, marker, deadline):
 @pytest.fixture(scope="module")
 def coordinated_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("coordinator") / "out"
-    job = subprocess.Popen(
+    job = popen(
         [*LOOM, "run", "--ps", "1", "--workers", "3", "--max-restarts", "1", "--threads", "1",
          str(SCRIPTS / "ps_coordinated.py"), str(out), str(STEPS)],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

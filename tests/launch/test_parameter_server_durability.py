@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen, read_progress
 
 STEPS, HOLD_AT = 40, 6
 pytestmark = pytest.mark.timeout(300)
@@ -29,7 +29,7 @@ shared = pytest.mark.xdist_group("ps_kill_pair")  # the tests of the two jobs ru
 
 def _job(out, *flags, hold_at=None):
     command = [*LOOM, "run", "--ps", "2", "--workers", "2", "--sync", *flags, str(SCRIPTS / "ps_sync_final.py"), str(out), str(STEPS)]
-    return subprocess.Popen([*command, *([str(hold_at)] if hold_at else [])], cwd=ROOT, env=job_env(),
+    return popen([*command, *([str(hold_at)] if hold_at else [])], cwd=ROOT, env=job_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
 
 

@@ -1,16 +1,13 @@
 """A parameter-server job killed mid-``fit(checkpoint_dir=...)`` and restarted resumes with the servers' state."""
 
-import subprocess
-
 import torch
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import SCRIPTS, loom_run
 
 
 def test_a_worker_killed_mid_fit_resumes_with_the_servers_values_and_slots_intact(tmp_path):
     out = tmp_path / "out"
-    command = [*LOOM, "run", "--ps", "2", "--workers", "1", "--max-restarts", "1", str(SCRIPTS / "ps_fit_restart.py"), str(out)]
-    done = subprocess.run(command, cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=180)
+    done = loom_run(["run", "--ps", "2", "--workers", "1", "--max-restarts", "1", str(SCRIPTS / "ps_fit_restart.py"), str(out)], timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exited with code -9; restarting it (1 of 1)" in done.stderr
     assert "loom: resumed from" in done.stdout and "(step 3, epoch 1)" in done.stdout

@@ -10,12 +10,11 @@ import json
 import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
 from loom.devices import thread_budget
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, read_progress
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen, read_progress
 from tests.strategies.parameter_server.test_transport import self_signed
 
 STEPS, DIE_AT, KILL_AT, HOLD_AT = 30, 8, 10, 20  # worker 1 dies in step 8's push; worker 2 is killed at step 10
@@ -23,7 +22,7 @@ STEPS, DIE_AT, KILL_AT, HOLD_AT = 30, 8, 10, 20  # worker 1 dies in step 8's pus
 
 def _job(out, steps, *flags, die_at=0, hold_at=None):
     hold = [str(hold_at)] if hold_at else []
-    return subprocess.Popen(
+    return popen(
         [*LOOM, "run", *flags, str(SCRIPTS / "ps_train.py"), str(out), str(steps), *([str(die_at)] if die_at or hold else []), *hold],
         cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -157,7 +156,7 @@ def test_a_worker_killed_between_its_commits_has_that_push_applied_on_every_serv
 def test_a_killed_server_is_restarted_from_its_checkpoint_and_the_workers_go_on(async_job):
     job = async_job
     assert job.code == 0, job.stderr[-3000:]
-    assert f"parameter server 1 (127.0.0.1:" in job.stderr
+    assert "parameter server 1 (127.0.0.1:" in job.stderr
     assert f"pid {job.server_killed}) exited with code -9; restarting it from its checkpoint" in job.stderr
     assert "parameter server 1 listening on 127.0.0.1:" in job.stdout and "(resumed from" in job.stdout
     assert {w: max(s for v, _, s in job.progress if v == w) for w in (0, 1, 2)} == {0: STEPS, 1: STEPS, 2: STEPS}

@@ -12,7 +12,7 @@ import socket
 import subprocess
 import time
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env
+from tests.helpers import LOOM, ROOT, SCRIPTS, free_port, job_env, popen
 
 SCRIPT = str(SCRIPTS / "ps_refused.py")
 TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
@@ -38,7 +38,7 @@ def _ends(procs: list[subprocess.Popen], limit: float) -> list[float]:
 
 
 def _start(command: list[str], env: dict[str, str], log) -> subprocess.Popen:
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
@@ -49,7 +49,7 @@ def test_one_machine_job_stops_when_the_chief_is_refused(tmp_path):
     output = (tmp_path / "job.log").read_text()
     assert job.returncode == 1, output[-3000:]
     line = output.splitlines()[-1]
-    assert line.startswith(f"loom: job failed: worker 0, the chief (pid ") and REFUSED in line, output[-3000:]
+    assert line.startswith("loom: job failed: worker 0, the chief (pid ") and REFUSED in line, output[-3000:]
     assert line.endswith("; stopping this job's other tasks here")
     assert output.count("Traceback (most recent call last)") == 1  # the chief's, printed once by its launcher
     assert not list(temporary.glob("loom-ps-*"))  # the state directory the launcher made there, removed

@@ -6,13 +6,13 @@ import subprocess
 import time
 
 from loom.devices import available_cores
-from tests.helpers import LOOM, ROOT, free_port, job_env, wait_all
+from tests.helpers import LOOM, ROOT, free_port, job_env, popen, wait_all
 
 
 def _worker(index: int, ports: list[int], script: str) -> subprocess.Popen:
     config = {"cluster": {"worker": [f"127.0.0.1:{p}" for p in ports]}, "task": {"type": "worker", "index": index}}
     env = job_env({"TF_CONFIG": json.dumps(config), "LOOM_RENDEZVOUS_REPORT": "1"})
-    return subprocess.Popen([*LOOM, "run", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return popen([*LOOM, "run", script], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_tf_config_workers_wait_visibly_for_each_other_and_share_the_host(tmp_path):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import loom
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen
 
 spec = importlib.util.spec_from_file_location("ft_train", SCRIPTS / "ft_train.py")
 ft_train = importlib.util.module_from_spec(spec)
@@ -35,7 +35,7 @@ def one_device() -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def start_job(out, *flags, env=None):
-    return subprocess.Popen(
+    return popen(
         [*LOOM, "run", *flags, str(SCRIPTS / "ft_train.py"), str(out)],
         cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -72,7 +72,7 @@ def samples_per_epoch(steps):
 @contextmanager
 def lighthouse() -> Iterator[str]:
     """``loom lighthouse`` in a process of its own (as on another host): its HOST:PORT, as it prints it."""
-    proc = subprocess.Popen([*LOOM, "lighthouse", "--port", "0"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = popen([*LOOM, "lighthouse", "--port", "0"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()  # its first line, or "" if it died; the test's timeout bounds the wait
         found = re.search(r"listening on (\S+);", line)

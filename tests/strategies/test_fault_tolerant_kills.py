@@ -23,7 +23,7 @@ import torch
 
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen  # noqa: E402
 from tests.strategies.ft_jobs import assert_close, finish, one_device, read_steps, samples_per_epoch  # noqa: E402
 
 
@@ -34,7 +34,7 @@ class Job:
         self.out, self.deadline = out, time.monotonic() + timeout
         (out / "events").mkdir()
         self.allow(3)
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [*LOOM, "run", "--groups", str(groups), "--nproc", "1", "--max-restarts", str(restarts), str(SCRIPTS / "ft_kills.py"), str(out)],
             cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", "LOOM_FT_EVENTS": str(out / "events"), **env}),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

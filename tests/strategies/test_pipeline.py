@@ -7,7 +7,6 @@ import pickle
 import time
 from collections import namedtuple
 from contextlib import nullcontext
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-import torch
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 

@@ -13,7 +13,6 @@ from contextlib import ExitStack
 from typing import Any, ContextManager
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 

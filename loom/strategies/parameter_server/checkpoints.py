@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.errors import CheckpointError, CheckpointMismatchError
+from loom.errors import CheckpointMismatchError
 from loom.strategies.base import unwrap
 from loom.strategies.optimizer import inner_optimizer
 from loom.strategies.parameter_server import transport
