@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import socket
@@ -46,7 +47,7 @@ def _start_rank(directory: Path, rank: int, world: int, port: int) -> Any:
     env = {**job_env(), "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True", "LOOM_THREADS": "1"}  # fmt: skip
     argv = ["-m", "tests.rank", str(directory), str(rank)]
-    forked = _FORKER.fork(argv, env, _Output(1), _Output(2))
+    forked = _FORKER.fork(argv, env, _Output(1), _Output(2), die_with_parent=True)
     return forked or subprocess.Popen([sys.executable, "-m", WORKER, *argv], env=env, cwd=ROOT)
 
 
@@ -129,7 +130,8 @@ class Launched:
         self._worker.kill()
 
     def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
-        """As ``Popen.communicate``: both pipes read to their ends, then the exit waited for."""
+        """As ``Popen.communicate``: both pipes read to their ends, then the exit waited for.
+        Raises ``TimeoutExpired`` carrying what was read so far."""
         if self._readers is None:
             self._readers = [threading.Thread(target=self._drain, args=(name, pipe), daemon=True)
                              for name, pipe in (("stdout", self.stdout), ("stderr", self.stderr)) if pipe is not None]  # fmt: skip
@@ -139,13 +141,28 @@ class Launched:
         for reader in self._readers:
             reader.join(None if deadline is None else max(deadline - time.monotonic(), 0))
             if reader.is_alive():
-                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+                raise subprocess.TimeoutExpired(self.args, timeout or 0, *self._so_far())
+        if isinstance(failed := self._read.get("error"), Exception):
+            raise failed
         self.wait(None if deadline is None else max(deadline - time.monotonic(), 0))
-        return self._read.get("stdout"), self._read.get("stderr")
+        return self._so_far()
+
+    def _so_far(self) -> tuple[Any, Any]:
+        return self._joined("stdout", self.stdout), self._joined("stderr", self.stderr)
+
+    def _joined(self, name: str, pipe: IO | None) -> Any:
+        if name not in self._read:
+            return None
+        return ("" if isinstance(pipe, io.TextIOBase) else b"").join(self._read[name])
 
     def _drain(self, name: str, pipe: IO) -> None:
+        chunks = self._read[name] = []
         with pipe:
-            self._read[name] = pipe.read()
+            try:
+                while chunk := pipe.read1(65536) if hasattr(pipe, "read1") else pipe.readline():
+                    chunks.append(chunk)
+            except Exception as error:  # a decoding error: communicate raises it, as Popen's does
+                self._read["error"] = error
 
 
 def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
@@ -155,11 +172,13 @@ def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None
     if args[: len(LOOM)] == LOOM:
         out_read, out_write = _ends(stdout, 1)
         err_read, err_write = (None, out_write) if stderr == subprocess.STDOUT else _ends(stderr, 2)
-        forked = _FORKER.fork(["-m", LOOM[2], *args[len(LOOM) :]], env if env is not None else dict(os.environ), out_write, err_write,
-                              new_session=start_new_session, cwd=str(cwd))  # fmt: skip
-        for end in {out_write, err_write}:
-            if isinstance(end, _Pipe):
-                os.close(end.fileno())
+        try:
+            forked = _FORKER.fork(["-m", LOOM[2], *args[len(LOOM) :]], env if env is not None else dict(os.environ), out_write, err_write,
+                                  new_session=start_new_session, cwd=str(cwd))  # fmt: skip
+        finally:
+            for end in {out_write, err_write}:
+                if isinstance(end, _Pipe):
+                    os.close(end.fileno())
         reads = (out_read, err_read)
         if forked is not None:
             return Launched(forked, args, *(open(read, "r" if text else "rb") if read is not None else None for read in reads))
@@ -192,7 +211,10 @@ def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        out, err = proc.communicate()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired as still:  # its workers, in sessions of their own, hold the pipes
+            out, err = still.output, still.stderr
         raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
@@ -211,20 +233,27 @@ def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float 
     ]  # fmt: skip
 
 
-def wait_all(procs: list[subprocess.Popen], timeout: float = 120.0) -> list[tuple[int, str, str]]:
+def wait_all(procs: list[Any], timeout: float = 120.0) -> list[tuple[int, str, str]]:
     """(returncode, stdout, stderr) of each process; one that outlives ``timeout`` is killed (its
     whole process group when it leads one), so the test fails on its code, with its output."""
     deadline = time.monotonic() + timeout
     results = []
     for proc in procs:
         try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            if os.getpgid(proc.pid) == proc.pid:
-                os.killpg(proc.pid, 9)
-            else:
-                proc.kill()
-        results.append((proc.wait(), *proc.communicate()))
+            try:
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, 9)
+                else:
+                    proc.kill()
+            except ProcessLookupError:
+                pass  # it ended meanwhile
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired as still:  # processes of its own, in sessions of their own, hold its pipes
+                out, err = still.output, still.stderr
+        results.append((proc.wait(), out, err))
     return results
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 
 def main(directory: Path, rank: int) -> None:
-    fn, args = pickle.loads((directory / "call.pkl").read_bytes())
     try:
+        fn, args = pickle.loads((directory / "call.pkl").read_bytes())
         outcome = pickle.dumps((True, fn(*args)))  # plain pickle: tensors by value
     except BaseException:
         outcome = pickle.dumps((False, traceback.format_exc()))

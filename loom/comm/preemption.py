@@ -41,19 +41,22 @@ def disarm() -> None:
 
 @contextmanager
 def armed_while() -> Iterator[None]:
-    """Armed in this block only (unless it already was). A block left by an exception, the
-    preemption's own ``SystemExit(0)`` included, is not signalled again."""
+    """Armed in this block only (unless it already was): a request not acted on in it ends the
+    process when the block is left, as the SIGTERM would have. Left by the preemption's own exit
+    (``SystemExit`` with a request), it stays armed: a second SIGTERM cannot cut that exit short."""
     if _armed:
         yield
         return
-    _requested.clear()
     arm()
+    exiting = False
     try:
         yield
-    except BaseException:
-        _unarm()
+    except SystemExit:
+        exiting = _requested.is_set()
         raise
-    disarm()
+    finally:
+        if not exiting:
+            disarm()
 
 
 def _unarm() -> None:

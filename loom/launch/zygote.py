@@ -97,8 +97,9 @@ class Zygote:
         )
         theirs.close()
         self._socket = ours
-        self._asking = threading.Lock()  # one fork request at a time: its answer is the next "started"
-        self._started: queue.Queue[int | None] = queue.Queue()
+        self._asking = threading.Lock()  # one fork request at a time
+        self._started: queue.Queue[tuple[int, int | None] | None] = queue.Queue()  # (request, pid)
+        self._requests = 0
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition()
         self._ready = threading.Event()
@@ -119,13 +120,17 @@ class Zygote:
                     return None  # a new process instead; the zygote serves later starts once ready
             if self._gone:
                 return None
-            request = {"argv": argv, "env": env, "cwd": cwd or os.getcwd(), "stdout": stdout is not None, "stderr": stderr is not None,
-                       "new_session": new_session, "die_with_parent": die_with_parent}  # fmt: skip
+            self._requests += 1
+            request = {"id": self._requests, "argv": argv, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
+                       "stdout": stdout is not None, "stderr": stderr is not None, "new_session": new_session,
+                       "die_with_parent": die_with_parent}  # fmt: skip
             try:
                 socket.send_fds(self._socket, [pickle.dumps(request)], [f.fileno() for f in (stdout, stderr) if f is not None])
             except OSError:
                 return None
-            pid = self._started.get()
+            while (answer := self._started.get()) is not None and answer[0] != self._requests:
+                pass  # a start interrupted after its request was sent (a signal's exception) left its answer
+            pid = answer[1] if answer is not None else None
         return ForkedWorker(self, pid, (sys.executable, "-m", WORKER, *argv)) if pid is not None else None
 
     def exit_code(self, pid: int, timeout: float | None) -> int | None:
@@ -170,8 +175,8 @@ class Zygote:
                     self._ready.set()
                 elif kind == "started":
                     with self._changed:
-                        self._exits.pop(rest[0], None)  # a pid used again: the earlier worker's status is not this one's
-                    self._started.put(rest[0])
+                        self._exits.pop(rest[1], None)  # a pid used again: the earlier worker's status is not this one's
+                    self._started.put((rest[0], rest[1]))
                 else:
                     with self._changed:
                         self._exits[rest[0]] = rest[1]
@@ -286,19 +291,19 @@ def serve(fd: int, parent: int) -> None:
             message, fds, _, _ = socket.recv_fds(channel, _MESSAGE, 2)
             if not message:
                 return  # the agent is done
-            zygote = os.getpid()
+            request, zygote = pickle.loads(message), os.getpid()
             try:
                 pid = os.fork()
             except OSError:  # no memory or processes left: the launcher starts a new process, or says why
                 for fd in fds:
                     os.close(fd)
-                channel.send(pickle.dumps(("started", None)))
+                channel.send(pickle.dumps(("started", request["id"], None)))
                 continue
             if pid == 0:
-                _become_worker(pickle.loads(message), fds, [channel.fileno(), wake_read, wake_write], zygote, inherited)
+                _become_worker(request, fds, [channel.fileno(), wake_read, wake_write], zygote, inherited)
             for fd in fds:
                 os.close(fd)
-            channel.send(pickle.dumps(("started", pid)))
+            channel.send(pickle.dumps(("started", request["id"], pid)))
 
 
 def _reap(channel: socket.socket) -> None:

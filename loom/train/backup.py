@@ -42,13 +42,22 @@ class BackupAndRestore:
         if preempted or (self.every and state.step % self.every == 0 and not ends_epoch):
             self._save(state, loader, state.epoch)
         if preempted:
-            self.strategy.shutdown()  # waits for an asynchronous save to be committed
-            if self.strategy.is_chief:
-                print(f"loom: preempted: saved step {state.step} to {self.directory}; exiting", flush=True)
-            raise SystemExit(0)
+            self._exit(f"loom: preempted: saved step {state.step} to {self.directory}; exiting")
+
+    def _exit(self, line: str) -> None:
+        self.strategy.shutdown()  # waits for an asynchronous save to be committed
+        if self.strategy.is_chief:
+            print(line, flush=True)
+        raise SystemExit(0)
 
     def after_epoch(self, state: FitState, loader: Any) -> None:
         self._save(state, loader, state.epoch + 1)
+
+    def at_end(self) -> None:
+        """The end of fit is a step boundary too: a SIGTERM since the last step's check exits 0 once
+        the last save is committed, on every replica alike."""
+        if self.strategy.preempted():
+            self._exit(f"loom: preempted at the end of training; its last checkpoint is in {self.directory}; exiting")
 
     def _save(self, state: FitState, loader: Any, epoch: int) -> None:
         self.strategy.save(

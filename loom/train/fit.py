@@ -196,8 +196,8 @@ def fit(
     ``log_dir`` every epoch's breakdown goes to TensorBoard, JSON and a PNG.
 
     With ``checkpoint_dir`` the run resumes from the newest checkpoint there, saves every
-    ``checkpoint_every`` steps and after every epoch, and on SIGTERM saves and exits 0
-    (``loom.train.backup``). An epoch resumed in the middle logs the mean of its remaining steps.
+    ``checkpoint_every`` steps and after every epoch, and on SIGTERM while it trains saves and
+    exits 0 (``loom.train.backup``). An epoch resumed in the middle logs the mean of its remaining steps.
 
     ``loss_fn=None`` trains a model that computes its own loss (``model(inputs, targets)``, see
     ``Strategy.train_step``); metrics then receive its whole output. Its logged training loss for
@@ -285,4 +285,6 @@ def fit(
                 break
         for cb in hooks:
             cb.on_train_end(state)
+        if backup is not None:
+            backup.at_end()
         return state.history
