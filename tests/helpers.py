@@ -167,13 +167,14 @@ class Launched:
 
 def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None = None, stdout: Any = None, stderr: Any = None,
           text: bool = False, start_new_session: bool = False) -> Any:  # fmt: skip
-    """``subprocess.Popen(args, ...)``; a ``loom`` command is forked from this test process's zygote
-    (``loom.launch.zygote``: it has imported torch), running ``loom.launch.cli`` as a new process would."""
-    if args[: len(LOOM)] == LOOM:
+    """``subprocess.Popen(args, ...)``. ``python SCRIPT ...``, ``python -m MODULE ...`` and ``loom``
+    commands are forked from this test process's zygote (``loom.launch.zygote``: it has imported
+    torch) and run through ``loom.launch.worker`` as a new process would run them."""
+    if args[:1] == [sys.executable] and len(args) > 1 and (args[1] == "-m" or not args[1].startswith("-")):
         out_read, out_write = _ends(stdout, 1)
         err_read, err_write = (None, out_write) if stderr == subprocess.STDOUT else _ends(stderr, 2)
         try:
-            forked = _FORKER.fork(["-m", LOOM[2], *args[len(LOOM) :]], env if env is not None else dict(os.environ), out_write, err_write,
+            forked = _FORKER.fork([str(a) for a in args[1:]], env if env is not None else dict(os.environ), out_write, err_write,
                                   new_session=start_new_session, cwd=str(cwd))  # fmt: skip
         finally:
             for end in {out_write, err_write}:
@@ -186,6 +187,22 @@ def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None
             if read is not None:
                 os.close(read)
     return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)
+
+
+def run(args: list[str], *, timeout: float, cwd: Path | str = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run(args, capture_output=True, text=True, ...)`` through ``popen``; a process that
+    outlives ``timeout`` is killed and fails the test with the output it gave."""
+    proc = popen(args, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired as still:  # its workers, in sessions of their own, hold the pipes
+            out, err = still.output, still.stderr
+        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class _Pipe(_Output):
@@ -205,26 +222,16 @@ def _ends(target: Any, fd: int) -> tuple[int | None, Any]:
 
 
 def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
-    """``loom <args>`` in a process of its own (``popen``), killed (failing the test) if it outlives ``timeout``."""
-    proc = popen([*LOOM, *args], cwd=cwd, env=job_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired as still:  # its workers, in sessions of their own, hold the pipes
-            out, err = still.output, still.stderr
-        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """``loom <args>`` in a process of its own (``run``), killed (failing the test) if it outlives ``timeout``."""
+    return run([*LOOM, *args], timeout=timeout, cwd=cwd, env=job_env(env))
 
 
-def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float = 60.0) -> list[subprocess.Popen]:
+def start_nodes(nnodes: int, nproc: int, script_args: list[str], timeout: float = 60.0) -> list[Any]:
     """``nnodes`` ``loom run`` agents on localhost forming one job, as separate machines would."""
     master = f"127.0.0.1:{free_port()}"
     env = job_env()
     return [
-        subprocess.Popen(
+        popen(
             [*LOOM, "run", "--nnodes", str(nnodes), "--node-rank", str(node), "--master", master,
              "--nproc", str(nproc), "--timeout", str(timeout), *script_args],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

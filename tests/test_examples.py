@@ -1,10 +1,9 @@
 """The examples run and learn (on fewer epochs and samples than a person runs them: cheaper, same bars)."""
 
 import os
-import subprocess
 import sys
 
-from tests.helpers import ROOT, start_nodes, wait_all
+from tests.helpers import ROOT, run, start_nodes, wait_all
 
 EXAMPLES = ROOT / "examples"
 DIGITS_EPOCHS = "3"  # of the example's 8: accuracy 0.96 (0.98 on 8), over the same 0.95 bar
@@ -14,7 +13,7 @@ CTR_SAMPLES = "100000"  # of the example's 200,000: sync reaches AUC 0.764 (0.73
 
 def test_one_device_example():
     env = {**os.environ, "DIGITS_EPOCHS": DIGITS_EPOCHS, **ONE_THREAD}
-    done = subprocess.run([sys.executable, str(EXAMPLES / "one_device_digits.py")], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    done = run([sys.executable, str(EXAMPLES / "one_device_digits.py")], timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     accuracy = float(done.stdout.strip().rsplit(" ", 1)[1])
     assert accuracy >= 0.95, done.stdout

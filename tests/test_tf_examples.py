@@ -7,15 +7,14 @@ import sys
 
 import pytest
 
-from tests.helpers import LOOM, ROOT, free_port, job_env, popen, wait_all
+from tests.helpers import LOOM, ROOT, free_port, job_env, popen, run, wait_all
 
 EXAMPLES = ROOT / "examples"
 CHEAP = {"TF_EXAMPLE_EPOCHS": "2", "OMP_NUM_THREADS": "1", "LOOM_THREADS": "1"}  # 2 epochs on the digits: accuracy 0.85-0.9
 
 
 def run_example(name: str, tmp_path, **env: str) -> str:
-    done = subprocess.run([sys.executable, str(EXAMPLES / name)], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=job_env({**CHEAP, "TF_EXAMPLE_DIR": str(tmp_path), **env}))  # fmt: skip
+    done = run([sys.executable, str(EXAMPLES / name)], timeout=240, env=job_env({**CHEAP, "TF_EXAMPLE_DIR": str(tmp_path), **env}))
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

@@ -20,7 +20,7 @@ from loom import compat
 from loom.checkpoint import committed
 from loom.errors import CheckpointError, CheckpointMismatchError
 from tests.checkpoint.tamper import recommit
-from tests.helpers import ROOT, SCRIPTS, job_env, loom_run
+from tests.helpers import ROOT, SCRIPTS, job_env, loom_run, run
 
 
 def _trained(seed=0):
@@ -216,10 +216,10 @@ def test_portability_matrix_mirrored_4_to_one_device_and_mirrored_3(tmp_path):
     saved = loom_run(["run", "--nproc", "4", script, "save", directory, reference])
     assert saved.returncode == 0, saved.stderr[-2000:]
     for nproc in (3,):
-        run = loom_run(["run", "--nproc", str(nproc), script, "restore", directory, reference])
-        assert run.returncode == 0, run.stderr[-2000:]
-        assert run.stdout.count("restored identical state") == nproc
-    alone = subprocess.run([sys.executable, script, "restore", directory, reference], capture_output=True, text=True, cwd=ROOT, env=job_env(), timeout=60)
+        restored = loom_run(["run", "--nproc", str(nproc), script, "restore", directory, reference])
+        assert restored.returncode == 0, restored.stderr[-2000:]
+        assert restored.stdout.count("restored identical state") == nproc
+    alone = run([sys.executable, script, "restore", directory, reference], env=job_env(), timeout=60)
     assert alone.returncode == 0, alone.stderr[-2000:]
     assert "replica 0 of 1: restored identical state" in alone.stdout
 

@@ -4,7 +4,6 @@ restore refuses what it cannot read: one process, no launcher."""
 import json
 import os
 import signal
-import subprocess
 import sys
 import warnings
 
@@ -18,7 +17,7 @@ from loom.checkpoint import committed, layout
 from loom.comm import preemption
 from loom.errors import CheckpointMismatchError
 from tests.checkpoint.tamper import recommit
-from tests.helpers import ROOT, job_env
+from tests.helpers import job_env, run
 from tests.scripts.fit_job import data
 
 
@@ -182,8 +181,7 @@ def test_a_sigterm_after_fits_last_step_exits_0_at_fits_end(tmp_path):
         "    def on_train_end(self, state):\n        os.kill(os.getpid(), signal.SIGTERM)\n"
         "_fit(sys.argv[1], 1, loom.OneDeviceStrategy(), callbacks=[Late()])\nprint('after fit', flush=True)\n"
     )
-    done = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=job_env())  # fmt: skip
+    done = run([sys.executable, str(script), str(tmp_path / "ckpt")], timeout=120, env=job_env())
     assert done.returncode == 0 and "after fit" not in done.stdout, done.stdout + done.stderr
     assert f"loom: preempted at the end of training; its last checkpoint is in {tmp_path / 'ckpt'}; exiting" in done.stdout
     assert layout.step_of(committed(tmp_path / "ckpt")[-1]) == 4  # the epoch's save

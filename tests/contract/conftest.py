@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -17,7 +16,7 @@ from loom.strategies.parameter_server.server import ParameterServer
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 from tests.contract import cases
 from tests.contract.cases import CASES, run_case, save_reference
-from tests.helpers import ROOT, SCRIPTS, free_port, job_env, loom_run, start_nodes, wait_all
+from tests.helpers import SCRIPTS, free_port, job_env, loom_run, run, start_nodes, wait_all
 
 SCRIPT = str(SCRIPTS / "contract_job.py")
 STRATEGIES = ["one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco", "diloco_overlap"]
@@ -94,8 +93,8 @@ def _parameter_servers(directory: Path, monkeypatch: pytest.MonkeyPatch) -> list
 
 def _tpu(directory: Path) -> list[dict[str, Any]]:
     """TPUStrategy in one process driving 8 virtual XLA CPU devices (set before JAX is imported)."""
-    done = subprocess.run([sys.executable, SCRIPT, "--strategy", "tpu", "--dir", str(directory.parent)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=job_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))  # fmt: skip
+    done = run([sys.executable, SCRIPT, "--strategy", "tpu", "--dir", str(directory.parent)], timeout=600,
+               env=job_env({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}))
     assert done.returncode == 0, done.stderr[-3000:]
     return [torch.load(directory / "results-0.pt", weights_only=True)]
 

@@ -21,7 +21,7 @@ import loom
 from loom.strategies.xla.mesh import build_mesh
 from loom.strategies.xla.optim import group_rules
 from tests.contract.cases import GLOBAL_BATCH, mlp, save_reference, sgd
-from tests.helpers import ROOT, SCRIPTS, job_env
+from tests.helpers import ROOT, SCRIPTS, job_env, run
 
 pytestmark = pytest.mark.xdist_group("xla")
 
@@ -35,8 +35,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]
         pytest.skip("the xla extra is not installed: pip install 'loom[xla]'")
     directory = tmp_path_factory.mktemp("xla")
     reference = save_reference(directory / "reference")
-    done = subprocess.run([sys.executable, str(SCRIPTS / "xla_job.py"), str(directory)], capture_output=True, text=True,
-                          timeout=600, cwd=ROOT, env=job_env(DEVICES))  # fmt: skip
+    done = run([sys.executable, str(SCRIPTS / "xla_job.py"), str(directory)], timeout=600, env=job_env(DEVICES))
     assert done.returncode == 0, done.stderr[-3000:]
     results = torch.load(directory / "results.pt", weights_only=False)
     results["reference"] = reference
