@@ -70,7 +70,7 @@ def _resumed_batchnorm(strategy, directory):
 
 def _job(directory):
     found = {}
-    strategy = loom.MirroredStrategy(timeout=30)
+    strategy = loom.MirroredStrategy(timeout=120)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         strategy.print("once per job")
@@ -84,7 +84,7 @@ def _job(directory):
             opt.zero_grad()
     except RuntimeError as error:
         found["unused_error"] = str(error)
-    tolerant = loom.MirroredStrategy(timeout=30, find_unused_parameters=True)
+    tolerant = loom.MirroredStrategy(timeout=120, find_unused_parameters=True)
     model, opt = tolerant.prepare(_with_unused_head(), lambda p: torch.optim.SGD(p, lr=0.1))
     step = tolerant.train_step(model, F.cross_entropy, opt)
     found["unused_steps"] = sum(1 for x, y in _batches(tolerant) if step(x, y) is not None)
@@ -93,9 +93,9 @@ def _job(directory):
         strategy.prepare(nn.SyncBatchNorm.convert_sync_batchnorm(_with_batchnorm()))
     except ValueError as error:
         found["torch_sync_batchnorm"] = str(error)
-    found["sync_batchnorm"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True))
-    found["sync_batchnorm_fp16"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, sync_batchnorm=True, precision="16-mixed"))
-    found["static_graph_accumulated"] = _train_batchnorm(loom.MirroredStrategy(timeout=30, static_graph=True), accumulate=2)
+    found["sync_batchnorm"] = _train_batchnorm(loom.MirroredStrategy(timeout=120, sync_batchnorm=True))
+    found["sync_batchnorm_fp16"] = _train_batchnorm(loom.MirroredStrategy(timeout=120, sync_batchnorm=True, precision="16-mixed"))
+    found["static_graph_accumulated"] = _train_batchnorm(loom.MirroredStrategy(timeout=120, static_graph=True), accumulate=2)
     found["accumulated"] = _train_batchnorm(strategy, accumulate=2)
     found["batchnorm_resumed"] = _resumed_batchnorm(strategy, directory)
 

@@ -51,11 +51,11 @@ def state(prepared: nn.Module) -> dict[str, torch.Tensor]:
 
 def _job() -> dict[str, Any]:
     found: dict[str, Any] = {
-        "synced": state(train(loom.ShardedStrategy(sync_batchnorm=True, timeout=30))[0]),
-        "unsynced": state(train(loom.ShardedStrategy(timeout=30))[0]),
+        "synced": state(train(loom.ShardedStrategy(sync_batchnorm=True, timeout=90))[0]),
+        "unsynced": state(train(loom.ShardedStrategy(timeout=90))[0]),
     }
     for name, make in {"local_sgd": loom.LocalSGDStrategy, "diloco": loom.DiLoCoStrategy}.items():
-        prepared, strategy = train(make(sync_every=100, timeout=30))  # no sync within the four steps
+        prepared, strategy = train(make(sync_every=100, timeout=90))  # no sync within the four steps
         bn = loom.unwrap(prepared)[1]
         before = {k: strategy.gather(getattr(bn, k)[None].clone()) for k in ("running_mean", "running_var")}  # every replica's
         strategy.sync()

@@ -45,7 +45,7 @@ def _first_gradient(strategy, loss_of) -> torch.Tensor:
 
 
 def _job() -> dict:
-    strategy = loom.MirroredStrategy(timeout=30)
+    strategy = loom.MirroredStrategy(timeout=90)
     rank = strategy.replica_id
     found = {
         "run": strategy.run(lambda a, b=0: a * 10 + b, args=(rank,), kwargs={"b": 1}),
