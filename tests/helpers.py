@@ -1,4 +1,8 @@
-"""Run code on N gloo ranks from a test, with a timeout, re-raising a child's traceback."""
+"""The processes a test starts: N gloo ranks of a function (``run_ranks``), ``loom`` commands and
+Python programs (``popen``, ``run``, ``loom_run``, ``start_nodes``), each bounded by a timeout.
+
+They are forked from one zygote per test process, which has imported torch and loom
+(``loom.launch.zygote``, as ``loom run`` starts its workers), and run as a new process would."""
 
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_FORKER = Forker()  # this test process's zygote: ranks start without importing torch again (loom.launch.zygote)
+_FORKER = Forker()  # this test process's zygote: what a test starts does not import torch again
 
 
 class _Output:
