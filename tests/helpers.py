@@ -201,11 +201,7 @@ def run(args: list[str], *, timeout: float, cwd: Path | str = ROOT, env: dict[st
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired as still:  # its workers, in sessions of their own, hold the pipes
-            out, err = still.output, still.stderr
-        raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+        raise subprocess.TimeoutExpired(proc.args, timeout, *_output_after_kill(proc)) from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
@@ -223,6 +219,14 @@ def _ends(target: Any, fd: int) -> tuple[int | None, Any]:
     if target is None:
         return None, _Output(fd)
     return None, target
+
+
+def _output_after_kill(proc: Any) -> tuple[Any, Any]:
+    """What a killed process wrote; waited for 10 s at most: processes it started, in sessions of their own, may hold its pipes."""
+    try:
+        return proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired as still:
+        return still.output, still.stderr
 
 
 def loom_run(args: list[str], timeout: float = 120.0, env: dict[str, str] | None = None, cwd: Path | str = ROOT) -> subprocess.CompletedProcess:
@@ -260,10 +264,7 @@ def wait_all(procs: list[Any], timeout: float = 120.0) -> list[tuple[int, str, s
                     proc.kill()
             except ProcessLookupError:
                 pass  # it ended meanwhile
-            try:
-                out, err = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired as still:  # processes of its own, in sessions of their own, hold its pipes
-                out, err = still.output, still.stderr
+            out, err = _output_after_kill(proc)
         results.append((proc.wait(), out, err))
     return results
 
