@@ -86,12 +86,28 @@ def _alive(pid: int) -> bool:
 
 
 def register_process() -> None:
-    """List this process on its host until it exits; entries of processes that died are skipped."""
+    """List this process on its host until it exits, with its job's store (``MASTER_ADDR:MASTER_PORT``)
+    where it has one, by which ``loom stacks`` finds the job; entries of processes that died are skipped."""
     directory = registry_dir()
     directory.mkdir(parents=True, exist_ok=True)
     entry = directory / str(os.getpid())
-    entry.touch()
+    master = [os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")]
+    entry.write_text(":".join(master) if all(master) else "")
     atexit.register(entry.unlink, missing_ok=True)
+
+
+def registered_masters() -> set[str]:
+    """The job stores (``HOST:PORT``) of this host's live loom processes that have one."""
+    directory = registry_dir()
+    masters = set()
+    for entry in directory.iterdir() if directory.is_dir() else ():
+        try:
+            master = entry.read_text().strip()
+        except OSError:
+            continue
+        if entry.name.isdigit() and _alive(int(entry.name)) and master:
+            masters.add(master)
+    return masters
 
 
 def live_processes() -> int:

@@ -21,7 +21,9 @@ from typing import IO, Any, Callable
 
 import torch.distributed as dist
 
-from loom.launch.zygote import WORKER, Forker
+from loom.devices import thread_budget
+from loom.fast import allocator
+from loom.launch.zygote import WORKER, Forker, Zygote, compatible, enabled
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -35,6 +37,33 @@ def free_port() -> int:
 
 
 _FORKER = Forker()  # this test process's zygote: what a test starts does not import torch again
+
+
+class _Launchers:
+    """Forks ``loom run`` launchers from a zygote started as their workers start (two processes on
+    this host, loom's allocator tunables): each launcher is then its workers' zygote
+    (``loom.launch.zygote.started_as_worker``) and a job imports torch in no process of its own.
+    A launcher's ``os.environ`` is the one asked for, as from a shell."""
+
+    STARTED = {"OMP_NUM_THREADS": str(thread_budget(2)), **allocator.launcher_environment({})}
+
+    def __init__(self) -> None:
+        self._zygote: Zygote | None = None
+        self._making = threading.Lock()
+
+    def fork(self, argv: list[str], env: dict[str, str], stdout: Any, stderr: Any, new_session: bool, cwd: str) -> Any:
+        started = {**env, **self.STARTED}
+        if not enabled():
+            return None
+        with self._making:
+            if self._zygote is None:
+                self._zygote = Zygote(started)
+        if not compatible(started, self._zygote.env):
+            return None
+        return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent=False, cwd=cwd)
+
+
+_LAUNCHERS = _Launchers()
 
 
 class _Output:
@@ -177,9 +206,10 @@ def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None
     if args[:1] == [sys.executable] and len(args) > 1 and (args[1] == "-m" or not args[1].startswith("-")):
         out_read, out_write = _ends(stdout, 1)
         err_read, err_write = (None, out_write) if stderr == subprocess.STDOUT else _ends(stderr, 2)
+        forker = _LAUNCHERS if args[1:4] == [*LOOM[1:], "run"] else _FORKER
         try:
-            forked = _FORKER.fork([str(a) for a in args[1:]], env if env is not None else dict(os.environ), out_write, err_write,
-                                  new_session=start_new_session, cwd=str(cwd))  # fmt: skip
+            forked = forker.fork([str(a) for a in args[1:]], env if env is not None else dict(os.environ), out_write, err_write,
+                                 new_session=start_new_session, cwd=str(cwd))  # fmt: skip
         finally:
             for end in {out_write, err_write}:
                 if isinstance(end, _Pipe):

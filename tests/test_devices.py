@@ -99,3 +99,16 @@ def test_live_processes_of_other_jobs_are_counted_and_dead_ones_dropped(monkeypa
     finally:
         other.communicate(b"")
     assert devices.live_processes() == 1
+
+
+def test_loom_stacks_finds_a_job_by_the_registry_whatever_its_workers_started_with(monkeypatch, tmp_path):
+    from loom.comm.stacks import local_masters
+
+    monkeypatch.setenv(devices.REGISTRY_ENV, str(tmp_path))
+    monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
+    monkeypatch.setenv("MASTER_PORT", "29512")
+    devices.register_process()  # a worker forked from a zygote: /proc holds the zygote's start environment
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
+    (devices.registry_dir() / dead).write_text("10.9.9.9:1")
+    assert devices.registered_masters() == {"10.1.2.3:29512"}
+    assert "10.1.2.3:29512" in local_masters() and "10.9.9.9:1" not in local_masters()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loom.comm.health import PREFIX
 from loom.comm import collective_log
+from loom.devices import registered_masters
 from loom.errors import LaunchError
 
 WORKER = "loom.launch.worker"
@@ -72,8 +73,10 @@ def describe(frames: list[dict[str, Any]], depth: int = 4) -> str:
 
 
 def local_masters() -> set[str]:
-    """The store address (``HOST:PORT``) of each loom job with workers on this machine."""
-    masters = set()
+    """The store address (``HOST:PORT``) of each loom job with workers on this machine: from the
+    environment its workers started with, or (for workers forked from a zygote that started with
+    another) from the registry of loom processes (``devices.register_process``)."""
+    masters = registered_masters()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -42,6 +42,7 @@ from loom.cluster import ParameterServerCluster, parse_endpoint
 from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError, LoomError
+from loom.fast import allocator
 from loom.launch.zygote import WORKER, ForkedWorker, Forker
 
 SERVER_SAVE_SECONDS = 2.0
@@ -252,6 +253,9 @@ class _Job:
             self._failed_report(index).unlink(missing_ok=True)
         threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
+        if self._forker is not None:  # as loom run's: keep freed memory for the next step (loom.fast.allocator)
+            self.env.update(allocator.launcher_environment(os.environ))
+            self._forker.start_early(self.env)  # before a server or worker starts, while no thread runs
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
         server_restarts = dict.fromkeys(serving, 0)
         running = {w: self._start(w) for w in workers_here}

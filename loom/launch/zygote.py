@@ -10,7 +10,13 @@ worker is a ``Popen`` like any other (``ForkedWorker``). Forked workers keep the
 line and, in /proc, its environment (the first worker's: the job's MASTER_ADDR and MASTER_PORT),
 by which ``loom stacks`` finds a job.
 
-A worker whose environment differs from the first one's in a variable read only when a process
+A launcher whose own interpreter started as a worker's would (``python -u``, and the variables
+read at start that the workers are given) is that interpreter already: it forks the zygote from
+itself, before torch's agent starts a thread, and a node's start imports torch once, not twice.
+The test suite starts its launchers so. Their workers keep the launcher's command line and start
+environment instead, and ``loom stacks`` finds them by the registry of loom processes.
+
+A worker whose environment differs from the zygote's in a variable read only when a process
 starts (the allocator's, the dynamic loader's, Python's, OpenMP's) starts as a new process, and so
 does every worker under ``LOOM_FORK_WORKERS=0``.
 """
@@ -40,12 +46,27 @@ PRELOAD = ("torch", "torch.distributed", "loom", WORKER, "loom.strategies.data_p
 _MESSAGE = 1 << 20  # the largest request (a worker's environment) or report the socket carries
 _LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 READY_WAIT = 120.0  # seconds a start waits for the zygote's imports before starting a new process instead
+# What this interpreter read when it started: os.environ when loom is imported (nothing in loom sets these
+# before). A forked process inherits it, whatever it puts in os.environ. (/proc/self/environ cannot
+# say: glibc cuts GLIBC_TUNABLES there as it parses it.)
+STARTED_WITH = {name: value for name, value in os.environ.items() if name.startswith(READ_AT_START)}
 
 
 def compatible(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
     """Whether a worker with ``env`` may be forked: it reads nothing at start that differs from the zygote's."""
     names = {n for n in (*env, *zygote_env) if n.startswith(READ_AT_START)}
     return all(env.get(n) == zygote_env.get(n) for n in names)
+
+
+def started_as_worker(env: dict[str, str]) -> bool:
+    """Whether this interpreter started as a worker with ``env`` would: ``python -u`` and no other
+    switch, the same variables read at start, torch imported (else forking it saves nothing)."""
+    switches = []
+    for arg in sys.orig_argv[1:]:
+        if not arg.startswith("-") or arg in ("-m", "-c", "-"):
+            break
+        switches.append(arg)
+    return switches == ["-u"] and "torch" in sys.modules and compatible(env, STARTED_WITH)
 
 
 def enabled() -> bool:
@@ -89,12 +110,17 @@ class ForkedWorker:
 class Zygote:
     """The agent's side: starts the zygote, asks it for workers and hears their exits."""
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self.env = env
+    def __init__(self, env: dict[str, str], itself: bool = False) -> None:
+        """``itself``: fork the zygote from this process where it can be (``started_as_worker``)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._process = subprocess.Popen(
-            [sys.executable, "-u", "-m", WORKER, "--zygote", str(theirs.fileno()), str(os.getpid())], env=env, pass_fds=[theirs.fileno()]
-        )
+        self._process: subprocess.Popen | _Child
+        if itself and started_as_worker(env):
+            self.env, self._process = STARTED_WITH, _fork_zygote(theirs.fileno())
+        else:
+            self.env = env
+            self._process = subprocess.Popen(
+                [sys.executable, "-u", "-m", WORKER, "--zygote", str(theirs.fileno()), str(os.getpid())], env=env, pass_fds=[theirs.fileno()]
+            )
         theirs.close()
         self._socket = ours
         self._asking = threading.Lock()  # one fork request at a time
@@ -188,6 +214,66 @@ class Zygote:
             self._started.put(None)
 
 
+class _Child:
+    """A forked zygote, with the part of ``Popen`` the agent's side uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _fork_zygote(fd: int) -> _Child:
+    """The zygote forked from this process (``started_as_worker``), serving socket ``fd``."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    launcher = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _forget_launcher(keep=fd)
+            serve(fd, launcher)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(0)
+    return _Child(pid)
+
+
+def _forget_launcher(keep: int) -> None:
+    """In a zygote forked from its launcher: the signal dispositions a new interpreter has, and none
+    of the launcher's files or sockets held open (its store's port, its pipes). Each descriptor is
+    pointed at /dev/null rather than closed, so that a launcher object collected here closes no
+    number used again."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if callable(signal.getsignal(sig)):
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    null = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        if int(name) > 2 and int(name) not in (keep, null):
+            os.dup2(null, int(name))
+
+
 class Forker:
     """Starts ``python -m loom.launch.worker ARGS`` processes for one launcher, forked from its zygote
     (made with the first one's environment) where it can."""
@@ -195,6 +281,14 @@ class Forker:
     def __init__(self) -> None:
         self._zygote: Zygote | None = None
         self._making = threading.Lock()
+
+    def start_early(self, env: dict[str, str]) -> None:
+        """Make the zygote now, for workers with ``env``: where this interpreter started as they would,
+        by forking it, while no thread is running that a fork would leave holding a lock."""
+        if enabled() and started_as_worker(env):
+            with self._making:
+                if self._zygote is None:
+                    self._zygote = Zygote(env, itself=True)
 
     def fork(self, argv: list[str], env: dict[str, str], stdout: IO | None = None, stderr: IO | None = None,
              new_session: bool = False, die_with_parent: bool = False, cwd: str | None = None) -> ForkedWorker | None:  # fmt: skip
@@ -225,6 +319,8 @@ def forked_workers(cpu: bool) -> Iterator[None]:
     from loom.compat import worker_handlers
 
     forker = Forker()
+    if cpu:
+        forker.start_early(dict(os.environ))  # what the agent gives each worker, and its rank's variables
 
     class Handler(SubprocessHandler):
         def _popen(self, args: tuple, env: dict[str, str]) -> Any:

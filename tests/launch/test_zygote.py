@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from loom.launch.zygote import compatible
-from tests.helpers import LOOM, job_env
+from tests.helpers import LOOM, job_env, popen
 
 SCRIPT = """
 import json, os, sys
@@ -20,7 +20,9 @@ model, opt = strategy.prepare(torch.nn.Linear(4, 2), lambda p: torch.optim.SGD(p
 strategy.backward(model(torch.ones(8, 4)).sum())
 opt.step()
 parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+held = [os.readlink(f"/proc/{os.getppid()}/fd/{fd}") for fd in os.listdir(f"/proc/{os.getppid()}/fd") if int(fd) > 2]
 found = {"pid": os.getpid(), "parent": os.getppid(), "zygote": b"--zygote" in parent, "rank_env": os.environ["RANK"],
+         "zygote_parent": int(open(f"/proc/{os.getppid()}/stat").read().split()[3]), "zygote_sockets": sum(h.startswith("socket:") for h in held),
          "argv": sys.argv, "cwd": os.getcwd(), "draw": float(np.random.rand()), "weight": model.module.weight.sum().item()}
 with open(os.path.join(sys.argv[1], f"{restart}-{rank}.json"), "w") as f:
     json.dump(found, f)
@@ -29,13 +31,13 @@ if restart == 0 and rank == 1 and sys.argv[2] == "fail":
 """
 
 
-def _launch(tmp_path, fork, fail):
-    out = tmp_path / f"fork{fork}"
+def _launch(tmp_path, fork, fail, start=subprocess.Popen):
+    out = tmp_path / f"fork{fork}{start.__name__}"
     out.mkdir()
     script = tmp_path / "record.py"
     script.write_text(SCRIPT)
     args = ["run", "--nproc", "2", "--max-restarts", "1", str(script), str(out), "fail" if fail else "pass"]
-    agent = subprocess.Popen([*LOOM, *args], cwd=tmp_path, env=job_env({"LOOM_FORK_WORKERS": fork}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agent = start([*LOOM, *args], cwd=tmp_path, env=job_env({"LOOM_FORK_WORKERS": fork}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _, err = agent.communicate(timeout=120)
     assert agent.returncode == 0, err[-3000:]
     return agent.pid, {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}, err
@@ -49,13 +51,22 @@ def test_forked_workers_are_fresh_processes_and_a_restart_forks_again(tmp_path):
     assert len(zygotes) == 1 and agent not in zygotes and all(r["zygote"] for r in runs.values())  # restarts forked by the same zygote
     assert len({r["pid"] for r in runs.values()}) == 4
     for name, r in runs.items():
-        assert r["rank_env"] == name[-1] and r["argv"] == [str(tmp_path / "record.py"), str(tmp_path / "fork1"), "fail"]
+        assert r["rank_env"] == name[-1] and r["argv"] == [str(tmp_path / "record.py"), str(tmp_path / "fork1Popen"), "fail"]
         assert r["cwd"] == str(tmp_path)
     assert len({r["draw"] for r in runs.values()}) == 4  # numpy's global generator is seeded in each, as a new process's is
     assert len({r["weight"] for r in runs.values()}) == 1  # and the job trains as one
 
     agent, runs, _ = _launch(tmp_path, "0", fail=False)
     assert {r["parent"] for r in runs.values()} == {agent} and not any(r["zygote"] for r in runs.values())
+
+
+def test_a_launcher_started_as_its_workers_start_forks_their_zygote_from_itself(tmp_path):
+    agent, runs, err = _launch(tmp_path, "1", fail=True, start=popen)  # the suite starts launchers so
+    assert sorted(runs) == ["0-0", "0-1", "1-0", "1-1"] and "exited with code 3" in err
+    zygote = {r["parent"] for r in runs.values()}
+    assert len(zygote) == 1 and {r["zygote_parent"] for r in runs.values()} == {agent}  # no interpreter of its own
+    assert {r["zygote_sockets"] for r in runs.values()} == {1}  # its channel; the launcher's store and sockets are not held
+    assert len({r["draw"] for r in runs.values()}) == 4 and len({r["weight"] for r in runs.values()}) == 1
 
 
 def test_a_worker_that_reads_other_values_at_start_is_not_forked():
