@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # every BatchNorm*d and SyncBatchNorm
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase  # noqa: F401 - every BatchNorm*d and SyncBatchNorm
 
 if TYPE_CHECKING:  # DCP (and DTensor under it) costs a second of CPU to import: launchers never need it
     from torch.distributed.checkpoint import FileSystemReader
