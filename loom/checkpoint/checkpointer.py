@@ -13,7 +13,6 @@ follows when the write completes, and at the latest when the process exits.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import multiprocessing
 import os
@@ -41,9 +40,9 @@ from loom.checkpoint.safe_reader import index_file, load, quiet, read_index
 from loom.checkpoint.state import apply, check_names, collect, flatten, merge, rng_state, set_rng_state, without
 from loom.comm.health import HealthMonitor
 from loom.errors import CheckpointError, CheckpointMismatchError
+from loom.launch.parent import die_with_parent
 
 FORMAT = 1  # of loom.json and the layout; a checkpoint of another format is refused
-PR_SET_PDEATHSIG = 1  # prctl(2)
 SYNC_WRITE_THREADS = 4  # measured on 500 MB: 1 thread 0.70 s, 2 0.33 s, 4 0.26 s; torch.save 0.43 s
 
 
@@ -280,10 +279,7 @@ class _BackgroundWriter(dcp.FileSystemWriter):
         started it: the one that made the first asynchronous save), whose commit it serves."""
         self.__dict__.update(state)
         logging.getLogger().setLevel(logging.WARNING)
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass  # not Linux: it ends when it next reads from its pipe
+        die_with_parent(signal.SIGKILL)  # not Linux: it ends when it next reads from its pipe
         if os.getppid() == 1:  # the trainer died before this took effect
             os._exit(1)
 

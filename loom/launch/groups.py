@@ -24,10 +24,12 @@ import time
 from typing import Any
 
 from loom.comm.groups import EVENTS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventReader
-from loom.devices import thread_budget
+from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError
-from loom.launch.parameter_server import _die_with_parent
+from loom.fast import allocator
+from loom.launch.parent import die_with_parent
 from loom.launch.torchrun import LaunchOptions, run_job
+from loom.launch.zygote import ForkedWorker, Forker
 
 # A group whose heartbeat the lighthouse has not heard for this long is out of the next quorum:
 # the time the others wait after a group dies. Too short, and a busy machine drops live groups.
@@ -104,6 +106,15 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     if opts.node().nnodes > 1:
         raise LaunchError("--groups starts a group's processes on this machine; it does not take --nnodes (across machines: --group I on each group's host)")
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log says every quorum and commit, at info
+    nproc = opts.processes()
+    here = range(groups) if group is None else [group]
+    threads = opts.threads or thread_budget(len(here) * nproc)
+    # Each group is a launcher started as its workers start, so that it forks their zygote from itself; the
+    # groups are forked from one zygote, made before the lighthouse's threads run (loom.launch.zygote).
+    started = {"OMP_NUM_THREADS": str(threads), **(allocator.launcher_environment(os.environ) if not cuda_count() else {})}
+    forker = Forker() if not cuda_count() else None
+    if forker is not None:
+        forker.start_early({**os.environ, **started})
     server = None
     if lighthouse is None:
         server = start_lighthouse()
@@ -111,11 +122,8 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     else:
         lighthouse = check_lighthouse(lighthouse)
     events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
-    nproc = opts.processes()
-    here = range(groups) if group is None else [group]
-    threads = opts.threads or thread_budget(len(here) * nproc)
-    env = {**os.environ, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
-    running = {g: _start_group(g, entry, opts, nproc, threads, env, groups) for g in here}
+    env = {**os.environ, **started, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
+    running = {g: _start_group(g, entry, opts, nproc, threads, env, groups, forker) for g in here}
     failed: dict[int, int] = {}
     stopped: list[subprocess.Popen] = []
     reader, lines = EventReader(events), MembershipLines()
@@ -142,6 +150,8 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
             proc.terminate()
         for proc in [*running.values(), *stopped]:
             proc.wait()
+        if forker is not None:
+            forker.close()
         if server is not None:
             server.shutdown()
         if events != os.environ.get(EVENTS_ENV):
@@ -149,10 +159,14 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     return 1 if failed else 0
 
 
-def _start_group(group: int, entry: list[str], opts: LaunchOptions, nproc: int, threads: int, env: dict[str, str], groups: int) -> subprocess.Popen:
+def _start_group(group: int, entry: list[str], opts: LaunchOptions, nproc: int, threads: int, env: dict[str, str], groups: int,
+                 forker: Forker | None) -> subprocess.Popen | ForkedWorker:  # fmt: skip
+    """Group ``group``'s launcher, forked where it can be, else ``python -u -m loom.launch.groups ...``; it ends with this one."""
     timeout = "-" if opts.timeout is None else str(opts.timeout)
-    command = [sys.executable, "-m", "loom.launch.groups", str(group), str(groups), str(nproc), str(opts.max_restarts), str(threads), timeout, *entry]
-    return subprocess.Popen(command, env={**env, GROUP_ENV: str(group)}, preexec_fn=_die_with_parent)
+    command = ["-m", "loom.launch.groups", str(group), str(groups), str(nproc), str(opts.max_restarts), str(threads), timeout, *entry]
+    env = {**env, GROUP_ENV: str(group)}
+    forked = forker.fork(command, env, die_with_parent=True) if forker is not None else None
+    return forked or subprocess.Popen([sys.executable, "-u", *command], env=env, preexec_fn=die_with_parent)
 
 
 class MembershipLines:

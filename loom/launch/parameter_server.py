@@ -24,7 +24,6 @@ than the chief that fails for good does not stop the others (asynchronous traini
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -43,21 +42,14 @@ from loom.comm.process_group import TIMEOUT_ENV
 from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError, LoomError
 from loom.fast import allocator
+from loom.launch.parent import die_with_parent
+from loom.launch.worker import ERROR_FILE_ENV
 from loom.launch.zygote import WORKER, ForkedWorker, Forker
 
 SERVER_SAVE_SECONDS = 2.0
 SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # where loom.launch.worker records the exception a worker dies of
 JOB_FAILED_BY_ANOTHER = "JobFailedError: "  # how a worker told by the servers that another task failed the job records it
 TOKEN_HELP = "set the same secret in LOOM_PS_TOKEN on every machine (make one with: python -c 'import secrets; print(secrets.token_hex(16))')"
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM it if the launcher dies, even by SIGKILL (Linux), so no server lingers."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _free_port() -> int:
@@ -167,7 +159,7 @@ class _Job:
                    "--index", str(index), "--workers", str(self.workers),
                    "--checkpoint", str(self.state_dir / f"server-{index}.safetensors"),
                    "--checkpoint-every", str(SERVER_SAVE_SECONDS)] + (["--restarted"] if restarted else [])  # fmt: skip
-        return subprocess.Popen(command, env=self.env, preexec_fn=_die_with_parent)
+        return subprocess.Popen(command, env=self.env, preexec_fn=die_with_parent)
 
     def _lost(self, index: int) -> Path:
         """Where server ``index`` reports updates it came back without (``serve.py``)."""
@@ -205,7 +197,7 @@ class _Job:
         self._error_file(worker).unlink(missing_ok=True)
         env = {**self.env, "LOOM_PS_WORKER": str(worker), ERROR_FILE_ENV: str(self._error_file(worker))}
         forked = self._forker.fork(list(self.entry), env, die_with_parent=True) if self._forker is not None else None
-        return forked or subprocess.Popen([sys.executable, "-m", WORKER, *self.entry], env=env, preexec_fn=_die_with_parent)
+        return forked or subprocess.Popen([sys.executable, "-m", WORKER, *self.entry], env=env, preexec_fn=die_with_parent)
 
     def _why(self, worker: int, code: int) -> str:
         """How a worker ended: the exception it recorded (its traceback printed here, once), else its code."""

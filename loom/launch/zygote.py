@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from typing import IO, Any, Iterator
 
 from loom.comm.ring import pid_alive
+from loom.launch.parent import die_with_parent
 
 FORK_ENV = "LOOM_FORK_WORKERS"
 WORKER = "loom.launch.worker"  # every worker starts (and ends) through it
@@ -345,22 +346,12 @@ def forked_workers(cpu: bool) -> Iterator[None]:
         forker.close()
 
 
-def _die_with_parent(sig: int) -> None:
-    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL (Linux)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 # ---- the zygote -----------------------------------------------------------------------------------
 def serve(fd: int, parent: int) -> None:
     """The zygote: import torch and loom, then fork a worker for each request on socket ``fd``."""
     import importlib
 
-    _die_with_parent(signal.SIGKILL)
+    die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:
         return
     for name in PRELOAD:
@@ -419,7 +410,7 @@ def _become_worker(request: dict[str, Any], fds: list[int], zygote_fds: list[int
         if request["new_session"]:
             os.setsid()  # torch's agent signals the worker's process group
         if request["die_with_parent"]:
-            _die_with_parent(signal.SIGTERM)
+            die_with_parent(signal.SIGTERM)
             if os.getppid() != zygote:  # it died before that took effect
                 os._exit(1)
         signal.set_wakeup_fd(-1)
