@@ -213,6 +213,7 @@ class _Job:
     def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
         """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
         from loom.strategies.parameter_server.client import ServerClient
+        from loom.strategies.parameter_server.job_failure import JobFailedError
         from loom.strategies.parameter_server.settle import settle
         from loom.strategies.parameter_server.transport import TLS
         from loom.strategies.parameter_server.variables import worker_name
@@ -221,8 +222,11 @@ class _Job:
         clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0, tls=tls) for address in self.servers]
         try:
             if code != 0:
-                for line in settle(clients, worker_name(worker, pid)):
-                    _say(f"worker {worker} died mid-push: {line}")
+                try:
+                    for line in settle(clients, worker_name(worker, pid)):
+                        _say(f"worker {worker} died mid-push: {line}")
+                except JobFailedError:
+                    pass  # the servers apply nothing more: there is no push to settle
             if finished:
                 for client in clients:
                     client.call({"op": "finish", "worker": worker, "code": code})

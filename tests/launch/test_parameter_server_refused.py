@@ -4,10 +4,13 @@ Before, the other worker waited for variables the chief would never create, and 
 for that worker. Now every task exits, and each launcher names the chief and why: on one
 machine its launcher stops the others at once; with a launcher per task (TF_CONFIG, as across
 machines), the chief's launcher tells the servers, which refuse the other worker at once, and
-every task ends within seconds, long before the job's timeout.
+every task ends within seconds, long before the job's timeout. And when the chief's machine is
+lost, with no launcher left to tell anyone, the others stop once the job's timeout has passed.
 """
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -18,6 +21,7 @@ SCRIPT = str(SCRIPTS / "ps_refused.py")
 TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
 LONG_TIMEOUT = 300  # a job's timeout that the tasks must not wait for
 WITHIN = 60  # seconds every task has, once the chief has failed
+LOST_TIMEOUT = 15  # the job's timeout when the chief's machine is lost: the worker's wait for it
 REFUSED = "failed: ValueError: NAdam cannot run on the parameter servers; use SGD"
 
 
@@ -100,3 +104,37 @@ def test_a_server_that_cannot_start_ends_the_tasks_of_other_launchers(tmp_path):
     reason = failed.removeprefix("loom: job failed: ")
     assert worker.splitlines()[-1] == f"loom: job failed: {reason}; worker 1 stopped", worker[-2000:]
     assert server0.splitlines()[-1] == f"loom: job failed: {reason}; parameter server 0 stopped", server0[-2000:]
+
+
+def test_workers_stop_within_the_timeout_when_the_coordinators_machine_is_lost(tmp_path):
+    """The chief's launcher and the chief are killed -9 between two rounds of steps: no one tells
+    the servers. The worker, waiting for steps the chief never scheduled, hears that server 0 has
+    not heard from the coordinator past the job's timeout, and stops the job in one line."""
+    cluster = {"ps": [f"127.0.0.1:{free_port()}"], "chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}
+    env = job_env({"LOOM_PS_TOKEN": "shared-by-the-job", "LOOM_TIMEOUT": str(LOST_TIMEOUT)})
+    out = tmp_path / "out"
+    tasks = [("ps", 0), ("chief", 0), ("worker", 0)]
+    procs = [
+        _start([*LOOM, "run", str(SCRIPTS / "ps_coordinator_lost.py"), str(out)],
+               {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": kind, "index": i}})}, (tmp_path / f"{kind}.log").open("w"))  # fmt: skip
+        for kind, i in tasks
+    ]
+    marker, deadline = out.with_name("out.chief"), time.monotonic() + 150
+    try:
+        while not marker.exists():
+            assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "chief.log").read_text()[-3000:]
+            time.sleep(0.05)
+        procs[1].kill()  # its launcher, then the chief: as its machine going down
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        lost = time.monotonic()
+        ends = _ends([procs[0], procs[2]], limit=LOST_TIMEOUT + WITHIN)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert max(ends) - lost <= LOST_TIMEOUT + WITHIN
+    server, worker = (tmp_path / "ps.log").read_text(), (tmp_path / "worker.log").read_text()
+    assert [procs[0].returncode, procs[2].returncode] == [1, 1], server[-2000:] + worker[-2000:]
+    said = "the coordinator (worker 0, the chief) has not been heard from for"
+    assert said in worker.splitlines()[-1] and "past the job's timeout" in worker.splitlines()[-1], worker[-3000:]
+    assert "could not reach the servers" not in worker, worker[-3000:]  # they refused its settling: the job had failed
+    assert "worker 1 stopped the job: " + said in server.splitlines()[-1], server[-3000:]

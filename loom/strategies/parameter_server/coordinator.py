@@ -15,7 +15,8 @@ import torch
 
 from loom.errors import LoomError
 from loom.strategies.parameter_server.client import ServerClient
-from loom.strategies.parameter_server.schedule import POLL
+from loom.strategies.parameter_server.job_failure import tell_servers
+from loom.strategies.parameter_server.schedule import BEAT, POLL
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 
 RAN_OUT = "its worker's dataset ran out (StopIteration); make the per-worker dataset repeat, as TF's dataset.repeat()"
@@ -196,11 +197,20 @@ class ClusterCoordinator:
         """One line instead of a hang: the schedule was lost, no worker is left to run the steps, or
         (on a worker) the coordinator failed or ended without scheduling what this script did."""
         if not self.is_coordinator:
-            chief = status["finished"].get("0")
+            chief, silent = status["finished"].get("0"), status.get("coordinator_silent")
             if chief is not None and (chief != 0 or status["unknown"]):
                 raise LoomError(
                     f"the coordinator (worker 0, the chief) ended (exit code {chief}) with {status['left']} of this "
                     "worker's scheduled functions not run; see the chief's output"
+                )
+            if status["unknown"] and silent is not None and silent > self.strategy.timeout:
+                lost = (f"the coordinator (worker 0, the chief) has not been heard from for {silent:.0f}s, past the job's timeout "
+                        f"({self.strategy.timeout:g}s): its process or machine is gone")  # fmt: skip
+                # No launcher is left to tell the servers, which would wait for the chief for ever: this worker does.
+                tell_servers(self.strategy.servers, self.strategy.token, None, f"worker {self.strategy.worker} stopped the job: {lost}")
+                raise LoomError(
+                    f"{lost}, with {status['unknown']} of this worker's scheduled functions not yet scheduled "
+                    "(--timeout or LOOM_TIMEOUT sets the wait)"
                 )
             return
         if status["unknown"]:
@@ -250,7 +260,8 @@ class ClusterCoordinator:
 class _Queue:
     """The coordinator's end of the queue on server 0: a thread of its own sends the functions
     scheduled, all those scheduled since its last request in one, so that ``schedule`` returns at
-    once and a loop of schedules costs server 0 a few requests rather than one each."""
+    once and a loop of schedules costs server 0 a few requests rather than one each; with none to
+    send, it beats once a ``BEAT``, so that the workers can tell a lost coordinator from a slow one."""
 
     def __init__(self, client: ServerClient) -> None:
         self._client = client
@@ -275,10 +286,13 @@ class _Queue:
     def _send(self) -> None:
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: self._sent < len(self._names))
+                self._changed.wait_for(lambda: self._sent < len(self._names), BEAT)
                 first, names = self._sent, self._names[self._sent :]
             try:
-                self._client.call({"op": "schedule", "do": "add", "first": first, "names": names})
+                if names:
+                    self._client.call({"op": "schedule", "do": "add", "first": first, "names": names})
+                else:  # nothing scheduled for a while: say the coordinator is alive
+                    self._client.call({"op": "schedule", "do": "beat"})
             except Exception as error:  # raised where the coordinator next waits
                 with self._changed:
                     self._error = error

@@ -8,20 +8,25 @@ worker's launcher says it is done for good (``settle``), or when the worker's su
 asks for work (a new process under the same index). Both come after the launcher has settled
 the dead worker's last push, so the push is applied on every server or on none before
 anyone runs the function again; the servers apply a function's update once whoever runs it
-(``ParameterServer._first_time``). The schedule lives in server 0's memory.
+(``ParameterServer._first_time``). The schedule lives in server 0's memory. The coordinator
+asks something at least every ``BEAT`` seconds; a worker waiting for functions it has not
+scheduled is told how long it has been silent, and gives up past the job's timeout (the
+coordinator's machine is gone, and no launcher is left to say so).
 """
 
 from __future__ import annotations
 
 import heapq
 import threading
+import time
 from typing import Any
 
 import torch
 
 from loom.strategies.parameter_server.wire import WireError
 
-NEEDS = {"add": ("first", "names"), "take": ("worker", "pid", "below"), "done": ("number", "worker"), "status": ("below",)}
+NEEDS = {"add": ("first", "names"), "take": ("worker", "pid", "below"), "done": ("number", "worker"), "status": ("below",), "beat": ()}
+BEAT = 1.0  # seconds between the coordinator's requests to server 0 while it schedules nothing: it is alive
 NOTHING = {"value": None}  # what a function that returns None gives back: not kept
 POLL = 1.0  # seconds a request waits at the server for something to change before it asks again
 
@@ -41,6 +46,7 @@ class Schedule:
         self.done_beyond: set[int] = set()  # and these, above it
         self.results: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}  # those that returned something
         self.error: str | None = None  # the first function that raised, and how
+        self.heard: float | None = None  # when the coordinator last asked anything (monotonic)
 
     def handle(self, fields: dict[str, Any], tensors: dict[str, torch.Tensor], finished: dict[str, int]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         do = fields["do"]
@@ -48,6 +54,10 @@ class Schedule:
         if missing:
             raise WireError(f"schedule {do}: field '{missing[0]}' is missing")
         with self._changed:
+            if do in ("add", "status", "beat"):  # only the coordinator asks these
+                self.heard = time.monotonic()
+            if do == "beat":
+                return {}, {}
             if do == "add":
                 self._add(fields["first"], fields["names"])
                 return {}, {}
@@ -143,5 +153,6 @@ class Schedule:
             if self._is_done(number):
                 results[str(number)], held = self.results.get(number, (NOTHING, {}))
                 tensors.update({f"r/{number}/{key}": value for key, value in held.items()})
-        status = {"left": self._left(below), "unknown": max(0, below - len(self.names)), "results": results}
+        silent = None if self.heard is None else time.monotonic() - self.heard
+        status = {"left": self._left(below), "unknown": max(0, below - len(self.names)), "results": results, "coordinator_silent": silent}
         return {**status, "error": self.error, "finished": finished, "running": len(self.taken)}, tensors

@@ -127,7 +127,7 @@ REQUESTS: dict[str, tuple[dict[str, Check], dict[str, Check], frozenset[str]]] =
     "stats": ({}, {}, frozenset()),
     "closures": ({"closure": lambda v: integer(v) and v >= 0}, {}, frozenset()),
     "schedule": (
-        {"do": lambda v: v in ("add", "take", "done", "status")},
+        {"do": lambda v: v in ("add", "take", "done", "status", "beat")},
         {"first": lambda v: integer(v) and v >= 0, "names": texts, "worker": index, "pid": integer, "below": lambda v: integer(v) and v >= 0,
          "want": integers, "wait": wait, "number": lambda v: integer(v) and v >= 0, "result": anything, "error": lambda v: v is None or text(v)},
         frozenset({"r/"}),

@@ -6,6 +6,7 @@ import torch
 
 from loom import ClusterCoordinator, OneDeviceStrategy, ParameterServerStrategy
 from loom.errors import LoomError
+from loom.strategies.parameter_server import coordinator as coordinator_module
 from loom.strategies.parameter_server.coordinator import PerWorkerDataset, _pack, _unpack
 from loom.strategies.parameter_server.optimizers import ServerOptimizer
 from loom.strategies.parameter_server.schedule import Schedule
@@ -120,6 +121,26 @@ def test_a_coordinator_without_workers_and_a_worker_without_its_coordinator_stop
     worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 0}})  # the chief ended well: its steps are still queued
     with pytest.raises(LoomError, match=r"the coordinator \(worker 0, the chief\) ended \(exit code 1\) with 1 of this worker's"):
         worker._check_alive({"unknown": 0, "left": 1, "finished": {"0": 1}})
+
+
+def test_a_worker_hears_how_long_the_coordinator_has_been_silent_and_gives_up_past_the_timeout(monkeypatch):
+    schedule = Schedule()
+    assert take(schedule, 1, 100, below=1)["coordinator_silent"] is None  # not heard yet: the variables' wait covers that
+    schedule.handle({"do": "add", "first": 0, "names": ["a"]}, {}, {})
+    schedule.heard -= 40.0  # as if 40 s had passed since
+    assert 40.0 <= take(schedule, 2, 200, below=0)["coordinator_silent"] < 41.0
+    schedule.handle({"do": "beat"}, {}, {})  # the coordinator's thread says it is alive while it schedules nothing
+    assert take(schedule, 2, 200, below=0)["coordinator_silent"] < 1.0
+    worker = ClusterCoordinator(_strategy(worker=1))
+    worker.strategy.timeout = 30.0
+    worker._check_alive({"unknown": 1, "left": 1, "finished": {}, "coordinator_silent": 29.0})  # within the timeout
+    worker._check_alive({"unknown": 0, "left": 1, "finished": {}, "coordinator_silent": 99.0})  # its steps are all queued
+    told = []
+    monkeypatch.setattr(coordinator_module, "tell_servers", lambda servers, token, tls, reason: told.append(reason) or [])
+    with pytest.raises(LoomError, match=r"the coordinator \(worker 0, the chief\) has not been heard from for 31s, past the job's timeout \(30s\)"):
+        worker._check_alive({"unknown": 1, "left": 1, "finished": {}, "coordinator_silent": 31.0})
+    assert told == ["worker 1 stopped the job: the coordinator (worker 0, the chief) has not been heard from for 31s, past the job's "
+                    "timeout (30s): its process or machine is gone"]  # fmt: skip
 
 
 def test_a_worker_gives_a_result_and_takes_the_next_step_in_one_request_and_none_is_not_kept():
