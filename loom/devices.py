@@ -87,12 +87,15 @@ def _alive(pid: int) -> bool:
 
 def register_process() -> None:
     """List this process on its host until it exits, with its job's store (``MASTER_ADDR:MASTER_PORT``)
-    where it has one, by which ``loom stacks`` finds the job; entries of processes that died are skipped."""
+    where loom started it, by which ``loom stacks`` finds the job; entries of processes that died are skipped."""
     directory = registry_dir()
     directory.mkdir(parents=True, exist_ok=True)
     entry = directory / str(os.getpid())
     master = [os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")]
-    entry.write_text(":".join(master) if all(master) else "")
+    started_by_loom = HOST_PROCESSES_ENV in os.environ  # not plain torchrun's, nor a notebook's
+    written = directory / f".{os.getpid()}.tmp"
+    written.write_text(":".join(master) if all(master) and started_by_loom else "")
+    written.replace(entry)  # whole, for a reader
     atexit.register(entry.unlink, missing_ok=True)
 
 

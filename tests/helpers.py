@@ -40,8 +40,8 @@ _FORKER = Forker()  # this test process's zygote: what a test starts does not im
 
 
 class _Launchers:
-    """Forks ``loom run`` launchers, and scripts that call ``loom.launch``, from a zygote started as
-    their workers start (two processes on this host, loom's allocator tunables): each launcher is then its workers' zygote
+    """Forks ``loom run`` launchers from a zygote started as their workers start (two processes on
+    this host, loom's allocator tunables): each launcher is then its workers' zygote
     (``loom.launch.zygote.started_as_worker``) and a job imports torch in no process of its own.
     A launcher's ``os.environ`` is the one asked for, as from a shell."""
 
@@ -206,7 +206,7 @@ def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None
     if args[:1] == [sys.executable] and len(args) > 1 and (args[1] == "-m" or not args[1].startswith("-")):
         out_read, out_write = _ends(stdout, 1)
         err_read, err_write = (None, out_write) if stderr == subprocess.STDOUT else _ends(stderr, 2)
-        forker = _LAUNCHERS if _launches_a_job(args, cwd) else _FORKER
+        forker = _LAUNCHERS if args[1:4] == [*LOOM[1:], "run"] else _FORKER
         try:
             forked = forker.fork([str(a) for a in args[1:]], env if env is not None else dict(os.environ), out_write, err_write,
                                  new_session=start_new_session, cwd=str(cwd))  # fmt: skip
@@ -221,14 +221,6 @@ def popen(args: list[str], *, cwd: Path | str = ROOT, env: dict[str, str] | None
             if read is not None:
                 os.close(read)
     return subprocess.Popen(args, cwd=cwd, env=env, stdout=stdout, stderr=stderr, text=text, start_new_session=start_new_session)
-
-
-def _launches_a_job(args: list[str], cwd: Path | str) -> bool:
-    """``loom run``, or a script that calls ``loom.launch``: it is started as its workers will be (``_Launchers``)."""
-    if args[1:4] == [*LOOM[1:], "run"]:
-        return True
-    script = Path(cwd, args[1])
-    return script.suffix == ".py" and script.is_file() and "loom.launch(" in script.read_text()
 
 
 def run(args: list[str], *, timeout: float, cwd: Path | str = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -107,6 +107,7 @@ def test_loom_stacks_finds_a_job_by_the_registry_whatever_its_workers_started_wi
     monkeypatch.setenv(devices.REGISTRY_ENV, str(tmp_path))
     monkeypatch.setenv("MASTER_ADDR", "10.1.2.3")
     monkeypatch.setenv("MASTER_PORT", "29512")
+    monkeypatch.setenv(devices.HOST_PROCESSES_ENV, "2")  # as loom run sets it
     devices.register_process()  # a worker forked from a zygote: /proc holds the zygote's start environment
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout.strip()
     (devices.registry_dir() / dead).write_text("10.9.9.9:1")

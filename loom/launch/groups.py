@@ -110,7 +110,8 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     here = range(groups) if group is None else [group]
     threads = opts.threads or thread_budget(len(here) * nproc)
     # Each group is a launcher started as its workers start, so that it forks their zygote from itself; the
-    # groups are forked from one zygote, made before the lighthouse's threads run (loom.launch.zygote).
+    # groups are forked from one zygote: this process, forked before the lighthouse's threads run, where it
+    # can be (loom.launch.zygote), else a new interpreter.
     started = {"OMP_NUM_THREADS": str(threads), **(allocator.launcher_environment(os.environ) if not cuda_count() else {})}
     forker = Forker() if not cuda_count() else None
     if forker is not None:

@@ -142,6 +142,7 @@ class _Job:
         self.checkpoint_dir = options.checkpoint_dir
         self.state_dir: Path  # made by run(), once the set-up has passed its checks
         self._forker = Forker() if not cuda_count() else None  # as loom run's workers (see loom.launch.zygote)
+        self.worker_env: dict[str, str] = {}  # what workers get beyond ``env``, which servers get too
         self.env = {**os.environ, "LOOM_PS_TOKEN": token, "LOOM_PS_SERVERS": ",".join(servers), "LOOM_PS_WORKERS": str(workers)}
         if options.staleness is not None:
             self.env["LOOM_PS_STALENESS"] = str(options.staleness)
@@ -195,7 +196,7 @@ class _Job:
         """Worker ``worker``, forked from the zygote where it can be (``loom.launch.zygote``), else a new
         process; either ends when this launcher dies. (Servers start as new processes, named in ``ps``.)"""
         self._error_file(worker).unlink(missing_ok=True)
-        env = {**self.env, "LOOM_PS_WORKER": str(worker), ERROR_FILE_ENV: str(self._error_file(worker))}
+        env = {**self.env, **self.worker_env, "LOOM_PS_WORKER": str(worker), ERROR_FILE_ENV: str(self._error_file(worker))}
         forked = self._forker.fork(list(self.entry), env, die_with_parent=True) if self._forker is not None else None
         return forked or subprocess.Popen([sys.executable, "-m", WORKER, *self.entry], env=env, preexec_fn=die_with_parent)
 
@@ -249,9 +250,9 @@ class _Job:
             self._failed_report(index).unlink(missing_ok=True)
         threads = str(self.threads or thread_budget(len(workers_here)))
         self.env.update(OMP_NUM_THREADS=threads, LOOM_THREADS=threads)
-        if self._forker is not None:  # as loom run's: keep freed memory for the next step (loom.fast.allocator)
-            self.env.update(allocator.launcher_environment(os.environ))
-            self._forker.start_early(self.env)  # before a server or worker starts, while no thread runs
+        if self._forker is not None:  # workers keep freed memory for the next step, as loom run's (loom.fast.allocator)
+            self.worker_env.update(allocator.launcher_environment(os.environ))
+            self._forker.start_early({**self.env, **self.worker_env})  # before a server or worker starts, while no thread runs
         serving = {i: self._serve(i, restarted=False) for i in servers_here}
         server_restarts = dict.fromkeys(serving, 0)
         running = {w: self._start(w) for w in workers_here}

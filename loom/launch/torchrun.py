@@ -208,11 +208,12 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
         os.environ[LAYOUT_ENV] = layout
     node = opts.node()
     world_size = node.nnodes * opts.processes()
-    # torchrun's own logging repeats what loom.launch.failures says in one line.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
-        with reporting_agent(node, world_size, wait_report, hung), forked_workers(cpu=not cuda_count()):
+        # The zygote first: where it is forked from this process, it carries nothing the agent sets up here.
+        with forked_workers(cpu=not cuda_count()), reporting_agent(node, world_size, wait_report, hung):
+            # torchrun's own logging repeats what loom.launch.failures says in one line.
+            logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
             run_torchrun(argv)
     except ChildFailedError as error:
         print(report(error.failures, world_size, "job failed", hung), file=sys.stderr, flush=True)

@@ -10,10 +10,10 @@ worker is a ``Popen`` like any other (``ForkedWorker``). Forked workers keep the
 line and, in /proc, its environment (the first worker's: the job's MASTER_ADDR and MASTER_PORT),
 by which ``loom stacks`` finds a job.
 
-A launcher whose own interpreter started as a worker's would (``python -u``, and the variables
-read at start that the workers are given) is that interpreter already: it forks the zygote from
-itself, before torch's agent starts a thread, and a node's start imports torch once, not twice.
-The test suite starts its launchers so. Their workers keep the launcher's command line and start
+A launcher whose own interpreter started as a worker's would (``python -u -m loom.launch.cli``,
+and the variables read at start that the workers are given) is that interpreter already: it
+forks the zygote from itself, before torch's agent starts a thread, and a node's start imports
+torch once, not twice. The test suite starts its launchers so; the ``loom`` command does not. Their workers keep the launcher's command line and start
 environment instead, and ``loom stacks`` finds them by the registry of loom processes.
 
 A worker whose environment differs from the zygote's in a variable read only when a process
@@ -59,15 +59,22 @@ def compatible(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
     return all(env.get(n) == zygote_env.get(n) for n in names)
 
 
+LAUNCHERS = ("loom.launch.cli", "loom.launch.groups")  # programs that run no user code before they start workers
+
+
 def started_as_worker(env: dict[str, str]) -> bool:
-    """Whether this interpreter started as a worker with ``env`` would: ``python -u`` and no other
-    switch, the same variables read at start, torch imported (else forking it saves nothing)."""
+    """Whether this process may become its workers' zygote: loom's own launcher (no user code has
+    run: no module state, atexit handler or open file of the user's to pass on), with no other
+    thread, its interpreter started as a worker with ``env`` would (``python -u`` and no other
+    switch, the same variables read at start), and torch imported (else forking saves nothing)."""
     switches = []
     for arg in sys.orig_argv[1:]:
         if not arg.startswith("-") or arg in ("-m", "-c", "-"):
             break
         switches.append(arg)
-    return switches == ["-u"] and "torch" in sys.modules and compatible(env, STARTED_WITH)
+    main = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
+    return (switches == ["-u"] and main in LAUNCHERS and threading.active_count() == 1 and "torch" in sys.modules
+            and compatible(env, STARTED_WITH))  # fmt: skip
 
 
 def enabled() -> bool:

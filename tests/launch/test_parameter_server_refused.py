@@ -21,7 +21,7 @@ SCRIPT = str(SCRIPTS / "ps_refused.py")
 TIMEOUT = 10  # the job's: how long a worker waits for the chief's variables
 LONG_TIMEOUT = 300  # a job's timeout that the tasks must not wait for
 WITHIN = 60  # seconds every task has, once the chief has failed
-LOST_TIMEOUT = 15  # the job's timeout when the chief's machine is lost: the worker's wait for it
+LOST_TIMEOUT = 20  # the job's timeout when the chief's machine is lost: the worker's wait for it
 REFUSED = "failed: ValueError: NAdam cannot run on the parameter servers; use SGD"
 
 
@@ -125,7 +125,10 @@ def test_workers_stop_within_the_timeout_when_the_coordinators_machine_is_lost(t
             assert procs[1].poll() is None and time.monotonic() < deadline, (tmp_path / "chief.log").read_text()[-3000:]
             time.sleep(0.05)
         procs[1].kill()  # its launcher, then the chief: as its machine going down
-        os.kill(int(marker.read_text()), signal.SIGKILL)
+        try:
+            os.kill(int(marker.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it died with its launcher already
         lost = time.monotonic()
         ends = _ends([procs[0], procs[2]], limit=LOST_TIMEOUT + WITHIN)
     finally:

@@ -23,6 +23,8 @@ parent = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
 held = [os.readlink(f"/proc/{os.getppid()}/fd/{fd}") for fd in os.listdir(f"/proc/{os.getppid()}/fd") if int(fd) > 2]
 found = {"pid": os.getpid(), "parent": os.getppid(), "zygote": b"--zygote" in parent, "rank_env": os.environ["RANK"],
          "zygote_parent": int(open(f"/proc/{os.getppid()}/stat").read().split()[3]), "zygote_sockets": sum(h.startswith("socket:") for h in held),
+         "zygote_cmdline": open(f"/proc/{os.getppid()}/cmdline").read(),
+         "launcher_cmdline": open(f"/proc/{open(f'/proc/{os.getppid()}/stat').read().split()[3]}/cmdline").read(),
          "argv": sys.argv, "cwd": os.getcwd(), "draw": float(np.random.rand()), "weight": model.module.weight.sum().item()}
 with open(os.path.join(sys.argv[1], f"{restart}-{rank}.json"), "w") as f:
     json.dump(found, f)
@@ -49,6 +51,7 @@ def test_forked_workers_are_fresh_processes_and_a_restart_forks_again(tmp_path):
     assert "restart 1 of 1: rank 1 on" in err and "exited with code 3" in err
     zygotes = {r["parent"] for r in runs.values()}
     assert len(zygotes) == 1 and agent not in zygotes and all(r["zygote"] for r in runs.values())  # restarts forked by the same zygote
+    assert all(r["zygote_cmdline"] != r["launcher_cmdline"] for r in runs.values())  # a new interpreter: `loom` is no worker
     assert len({r["pid"] for r in runs.values()}) == 4
     for name, r in runs.items():
         assert r["rank_env"] == name[-1] and r["argv"] == [str(tmp_path / "record.py"), str(tmp_path / "fork1Popen"), "fail"]
@@ -64,7 +67,10 @@ def test_a_launcher_started_as_its_workers_start_forks_their_zygote_from_itself(
     agent, runs, err = _launch(tmp_path, "1", fail=True, start=popen)  # the suite starts launchers so
     assert sorted(runs) == ["0-0", "0-1", "1-0", "1-1"] and "exited with code 3" in err
     zygote = {r["parent"] for r in runs.values()}
-    assert len(zygote) == 1 and {r["zygote_parent"] for r in runs.values()} == {agent}  # no interpreter of its own
+    assert len(zygote) == 1 and {r["zygote_parent"] for r in runs.values()} == {agent}
+    assert all(r["zygote_cmdline"] == r["launcher_cmdline"] for r in runs.values())  # the launcher forked: no interpreter of its own
+    for name, r in runs.items():
+        assert r["rank_env"] == name[-1] and r["argv"][1:] == [str(tmp_path / "fork1popen"), "fail"] and r["cwd"] == str(tmp_path)
     assert {r["zygote_sockets"] for r in runs.values()} == {1}  # its channel; the launcher's store and sockets are not held
     assert len({r["draw"] for r in runs.values()}) == 4 and len({r["weight"] for r in runs.values()}) == 1
 

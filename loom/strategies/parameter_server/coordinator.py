@@ -15,7 +15,7 @@ import torch
 
 from loom.errors import LoomError
 from loom.strategies.parameter_server.client import ServerClient
-from loom.strategies.parameter_server.job_failure import tell_servers
+from loom.strategies.parameter_server.job_failure import JobFailedError, tell_servers
 from loom.strategies.parameter_server.schedule import BEAT, POLL
 from loom.strategies.parameter_server.strategy import ParameterServerStrategy
 
@@ -206,9 +206,10 @@ class ClusterCoordinator:
             if status["unknown"] and silent is not None and silent > self.strategy.timeout:
                 lost = (f"the coordinator (worker 0, the chief) has not been heard from for {silent:.0f}s, past the job's timeout "
                         f"({self.strategy.timeout:g}s): its process or machine is gone")  # fmt: skip
-                # No launcher is left to tell the servers, which would wait for the chief for ever: this worker does.
+                # No launcher is left to tell the servers, which would wait for the chief for ever: this worker does,
+                # and its launcher, reading a JobFailedError, does not restart it.
                 tell_servers(self.strategy.servers, self.strategy.token, None, f"worker {self.strategy.worker} stopped the job: {lost}")
-                raise LoomError(
+                raise JobFailedError(
                     f"{lost}, with {status['unknown']} of this worker's scheduled functions not yet scheduled "
                     "(--timeout or LOOM_TIMEOUT sets the wait)"
                 )
@@ -288,11 +289,14 @@ class _Queue:
             with self._changed:
                 self._changed.wait_for(lambda: self._sent < len(self._names), BEAT)
                 first, names = self._sent, self._names[self._sent :]
-            try:
-                if names:
-                    self._client.call({"op": "schedule", "do": "add", "first": first, "names": names})
-                else:  # nothing scheduled for a while: say the coordinator is alive
+            if not names:  # nothing scheduled for a while: say the coordinator is alive
+                try:
                     self._client.call({"op": "schedule", "do": "beat"})
+                except Exception:  # noqa: BLE001 - a beat is tried again; what is wrong shows at the next add or wait
+                    pass
+                continue
+            try:
+                self._client.call({"op": "schedule", "do": "add", "first": first, "names": names})
             except Exception as error:  # raised where the coordinator next waits
                 with self._changed:
                     self._error = error

@@ -55,7 +55,7 @@ class Schedule:
             raise WireError(f"schedule {do}: field '{missing[0]}' is missing")
         with self._changed:
             if do in ("add", "status", "beat"):  # only the coordinator asks these
-                self.heard = time.monotonic()
+                self.alive()
             if do == "beat":
                 return {}, {}
             if do == "add":
@@ -77,6 +77,11 @@ class Schedule:
                 self.taken[number] = (fields["worker"], fields["pid"])
                 return self._give(number)
             return self._status(fields, finished)
+
+    def alive(self) -> None:
+        """The coordinator (or the chief, creating the variables) was heard from now. A server 0 that
+        came back from its files starts the clock too: the chief that made them may be gone."""
+        self.heard = time.monotonic()
 
     def _give(self, number: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return {"run": number, "name": self.names[number], "again": number in self.again}, {}

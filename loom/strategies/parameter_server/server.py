@@ -81,6 +81,8 @@ class ParameterServer:
         self._service: Service | None = None
         self.meetings = Meetings()  # reduce/gather/barrier over the workers (server 0's)
         self.schedule = Schedule()  # a ClusterCoordinator's functions (server 0's)
+        if self.created:  # restored: the chief that created the variables is not known to be alive
+            self.schedule.alive()
         self.closures: set[str] = set()  # the scheduled functions' pushes applied in this run (``ClusterCoordinator``)
         self.lineage: list[str] = []  # checkpoints this state was saved to or restored from, newest last
         self.log: wal.WriteAheadLog | None = None  # set by ``recover``: every change is logged before it is acknowledged
@@ -201,6 +203,7 @@ class ParameterServer:
             self._locks.update({name: threading.Lock() for name in [*dense, *tables]})
             self.optimizer = rule
             self.created = True
+            self.schedule.alive()  # the chief, which coordinates under ClusterCoordinator (also when the log replays it)
             self._record({"op": "create", "optimizer": optimizer, "generate": generate}, tensors)
             return True
 
