@@ -93,9 +93,9 @@ def register_process() -> None:
     entry = directory / str(os.getpid())
     master = [os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")]
     started_by_loom = HOST_PROCESSES_ENV in os.environ  # not plain torchrun's, nor a notebook's
-    written = directory / f".{os.getpid()}.tmp"
-    written.write_text(":".join(master) if all(master) and started_by_loom else "")
-    written.replace(entry)  # whole, for a reader
+    # Written in place: a temporary name beside it would be removed by another process's count
+    # (live_processes); a reader that finds it empty for a moment passes over it.
+    entry.write_text(":".join(master) if all(master) and started_by_loom else "")
     atexit.register(entry.unlink, missing_ok=True)
 
 

@@ -113,3 +113,23 @@ def test_loom_stacks_finds_a_job_by_the_registry_whatever_its_workers_started_wi
     (devices.registry_dir() / dead).write_text("10.9.9.9:1")
     assert devices.registered_masters() == {"10.1.2.3:29512"}
     assert "10.1.2.3:29512" in local_masters() and "10.9.9.9:1" not in local_masters()
+
+
+def _register_and_count(times: int) -> None:
+    for _ in range(times):
+        devices.register_process()
+        devices.live_processes()
+
+
+def test_processes_registering_and_counting_at_once_never_fail(monkeypatch, tmp_path):
+    """A count removes what is not a live process's entry: a registration must never leave one half-made."""
+    import multiprocessing
+
+    monkeypatch.setenv(devices.REGISTRY_ENV, str(tmp_path))
+    context = multiprocessing.get_context("fork")
+    procs = [context.Process(target=_register_and_count, args=(500,)) for _ in range(2)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout=60)
+    assert [proc.exitcode for proc in procs] == [0, 0]
