@@ -45,10 +45,27 @@ def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 
 
 @pytest.fixture
-def job(monkeypatch):
+def left(monkeypatch) -> list[str]:
+    """The lines of simulated ranks that gave up: a rank leaves by ending its thread, not (as a real
+    rank does, by ``os._exit``) the test's process, which is every rank's."""
+    lines: list[str] = []
+
+    def leave(self: HealthMonitor, line: str | None, code: int) -> None:
+        lines.append(line or f"rank {self.spec.rank} left with code {code}")
+        raise SystemExit  # ends this monitor's thread only
+
+    monkeypatch.setattr(HealthMonitor, "_leave", leave)
+    return lines
+
+
+@pytest.fixture
+def job(monkeypatch, left):
     """``job(world)``: a context in which ``world`` simulated ranks (monitors beating every 50 ms)
     share one store; yields the store and each rank's count of requests."""
     monkeypatch.setenv("LOOM_HANG_CHECK", "3600")  # the ranks share one main thread, which waits in the test
+    # and one interpreter: beside other jobs' CPU, a rank's beats can pause for long; these tests count requests
+    # and name dead processes, not silence
+    monkeypatch.setenv("LOOM_HEARTBEAT_TIMEOUT", "3600")
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
     connect = HealthMonitor._connect
 
@@ -82,10 +99,11 @@ def requests_per_beat(job: Callable, world: int) -> float:
         return (sum(counts) - sent) / (sum(beats(store, world)) - beaten)
 
 
-def test_each_ranks_store_load_does_not_grow_with_the_job(job):
+def test_each_ranks_store_load_does_not_grow_with_the_job(job, left):
     # Every rank used to read every other rank's heartbeat: about 3N requests per rank per beat.
     small, large = requests_per_beat(job, 4), requests_per_beat(job, 16)
     assert large <= 1.2 * small, f"{small:.1f} requests per rank per beat at 4 ranks, {large:.1f} at 16"
+    assert not left, left
 
 
 def test_every_rank_names_a_dead_rank_that_only_its_watchers_see(job, monkeypatch):
