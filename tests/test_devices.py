@@ -115,21 +115,22 @@ def test_loom_stacks_finds_a_job_by_the_registry_whatever_its_workers_started_wi
     assert "10.1.2.3:29512" in local_masters() and "10.9.9.9:1" not in local_masters()
 
 
-def _register_and_count(times: int) -> None:
-    for _ in range(times):
-        devices.register_process()
-        devices.live_processes()
+
+REGISTER_AND_COUNT = """
+from loom import devices
+for _ in range(500):
+    devices.register_process()
+    devices.live_processes()
+"""
 
 
 def test_processes_registering_and_counting_at_once_never_fail(monkeypatch, tmp_path):
     """A count removes what is not a live process's entry: a registration must never leave one half-made."""
-    import multiprocessing
+    from tests.helpers import job_env, popen
 
-    monkeypatch.setenv(devices.REGISTRY_ENV, str(tmp_path))
-    context = multiprocessing.get_context("fork")
-    procs = [context.Process(target=_register_and_count, args=(500,)) for _ in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=60)
-    assert [proc.exitcode for proc in procs] == [0, 0]
+    script = tmp_path / "register_and_count.py"
+    script.write_text(REGISTER_AND_COUNT)
+    env = job_env({devices.REGISTRY_ENV: str(tmp_path / "registry")})
+    procs = [popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
