@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from loom.devices import thread_budget
 from loom.fast import allocator
-from loom.launch.zygote import WORKER, Forker, Zygote, compatible, enabled
+from loom.launch.zygote import WORKER, Forker
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -39,31 +39,11 @@ def free_port() -> int:
 _FORKER = Forker()  # this test process's zygote: what a test starts does not import torch again
 
 
-class _Launchers:
-    """Forks ``loom run`` launchers from a zygote started as their workers start (two processes on
-    this host, loom's allocator tunables): each launcher is then its workers' zygote
-    (``loom.launch.zygote.started_as_worker``) and a job imports torch in no process of its own.
-    A launcher's ``os.environ`` is the one asked for, as from a shell."""
-
-    STARTED = {"OMP_NUM_THREADS": str(thread_budget(2)), **allocator.launcher_environment({})}
-
-    def __init__(self) -> None:
-        self._zygote: Zygote | None = None
-        self._making = threading.Lock()
-
-    def fork(self, argv: list[str], env: dict[str, str], stdout: Any, stderr: Any, new_session: bool, cwd: str) -> Any:
-        started = {**env, **self.STARTED}
-        if not enabled():
-            return None
-        with self._making:
-            if self._zygote is None:
-                self._zygote = Zygote(started)
-        if not compatible(started, self._zygote.env):
-            return None
-        return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent=False, cwd=cwd)
-
-
-_LAUNCHERS = _Launchers()
+# ``loom run`` launchers are forked from a zygote started as their workers start (two processes on this
+# host, loom's allocator tunables): each launcher is then its workers' zygote
+# (``loom.launch.zygote.started_as_worker``) and a job imports torch in no process of its own. A
+# launcher's ``os.environ`` is the one asked for, as from a shell.
+_LAUNCHERS = Forker(start_with={"OMP_NUM_THREADS": str(thread_budget(2)), **allocator.launcher_environment({})})
 
 
 class _Output:

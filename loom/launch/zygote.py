@@ -286,9 +286,13 @@ class Forker:
     """Starts ``python -m loom.launch.worker ARGS`` processes for one launcher, forked from its zygote
     (made with the first one's environment) where it can."""
 
-    def __init__(self) -> None:
+    def __init__(self, start_with: dict[str, str] | None = None) -> None:
+        """``start_with``: variables its zygote (and so what it forks) starts with beyond each request's
+        environment, which the forked process's ``os.environ`` leaves out (a test starting launchers
+        as their workers will start)."""
         self._zygote: Zygote | None = None
         self._making = threading.Lock()
+        self._start_with = start_with or {}
 
     def start_early(self, env: dict[str, str]) -> None:
         """Make the zygote now, for workers with ``env``: where this interpreter started as they would,
@@ -303,10 +307,11 @@ class Forker:
         """The forked worker; None where it must start as a new process (see the module)."""
         if not enabled():
             return None
+        started = {**env, **self._start_with}
         with self._making:
             if self._zygote is None:
-                self._zygote = Zygote(env)
-        if not compatible(env, self._zygote.env):
+                self._zygote = Zygote(started)
+        if not compatible(started, self._zygote.env):
             return None
         return self._zygote.start(argv, env, stdout, stderr, new_session, die_with_parent, cwd)
 
