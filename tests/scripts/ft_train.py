@@ -8,7 +8,7 @@ to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. `
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
 its pid); its next life joins only once group 0 committed batch B without it (else a quick
 restart, within the lighthouse's heartbeat timeout, would heal in that very step); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
-join, so that it rejoins while there is training left. ``LATE=G``: group G's first life starts
+join, and after each later batch a while for it to heal, so that it rejoins while there is training left. ``LATE=G``: group G's first life starts
 only once group 0 waits for it to start the job (its ``waiting`` event), or else has trained up to
 HOLD_AT without it; then group 0 is stopped (SIGSTOP, as a busy machine may hold a process) until
 group G stops to be killed, so that its heartbeat lapses and group G's quorums lack it.
@@ -72,6 +72,21 @@ def _rejoining(group: int) -> bool:
     return any(e["event"] == "joining" and e["restart"] > 0 for e in _events(group))
 
 
+def _hold(at_hold: bool, rejoining: int) -> None:
+    """At HOLD_AT, wait until the group asks to join; past it, up to 5 s a batch until it healed.
+
+    Its first quorum request may reach the lighthouse after the others' next ones (a busy machine
+    holds its thread): those quorums form without it, and it would join only in the last batch.
+    """
+    if at_hold:
+        while not _rejoining(rejoining):
+            time.sleep(0.05)
+        return
+    deadline = time.monotonic() + 5
+    while not any(e["event"] == "healed" for e in _events(rejoining)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _start_late(out: Path, hold_at: int) -> int | None:
     """Wait until group 0 waits for this group, or trained up to HOLD_AT without it; in that case stop it: its pid."""
     while not any(e["event"] == "waiting" for e in _events(0)):
@@ -127,9 +142,8 @@ def main(out: Path) -> None:
                     log.write(json.dumps({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
                                           "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync}) + "\n")
                     log.flush()
-                if m.batch == hold_at and group != die_group and strategy.committed:
-                    while not _rejoining(die_group):
-                        time.sleep(0.05)
+                if 0 <= hold_at <= m.batch and group != die_group and strategy.committed:
+                    _hold(m.batch == hold_at, die_group)
     torch.save(loom.unwrap(model).state_dict(), out / f"final-{group}-{rank}.pt")
     (out / f"lr-{group}-{rank}.json").write_text(json.dumps(schedule_state(opt, sched)))
 
