@@ -134,7 +134,8 @@ class HealthMonitor:
         """Beat, and watch this rank's peers on the ring: one silent for ``silence_limit`` stops
         the job now, not at the collective timeout; so does a hang the records show once the
         main thread has stood still for ``hang_check``."""
-        store = self._connect()  # a client of its own: the main thread may be using the other
+        store: dist.TCPStore | None = None  # a client of its own (the main thread may be using the other), connected
+        # in the loop: a connect that times out on a busy machine is tried again, not the end of this rank's beats
         key = self._key("beat", self.spec.rank)
         heard: dict[int, tuple[int, float]] = {}  # rank -> (beats, when they last changed)
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
@@ -143,6 +144,8 @@ class HealthMonitor:
         main, still_since, checked = None, time.monotonic(), 0.0  # where the main thread is, since when
         while not self._stop.is_set():
             try:
+                if store is None:
+                    store = self._connect()
                 store.add(key, 1)
                 answered = self._answer_record_requests(store, answered)
                 silent = self._silent_peers(store, heard, members, finished)

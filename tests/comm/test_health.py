@@ -135,3 +135,24 @@ def test_a_finished_rank_hands_its_watch_on():
     for r in range(1, 6):
         store.set(f"p/done/{r}", "1")
     assert ring.watched(store, "p", 0, 6, set()) == []
+
+
+def test_a_heartbeat_whose_connect_times_out_connects_again(job, monkeypatch):
+    """The store's connect can time out on a busy machine: the rank's beats must go on, or its watchers name it silent."""
+    connect, failed = HealthMonitor._connect, []
+
+    def slow_once(self: HealthMonitor) -> dist.TCPStore:
+        if threading.current_thread().name == "loom-heartbeat" and not failed:
+            failed.append(self.spec.rank)
+            raise dist.DistStoreError("wait timeout after 10000ms")
+        return connect(self)
+
+    monkeypatch.setattr(HealthMonitor, "_connect", slow_once)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monitor = HealthMonitor(ClusterSpec(0, 1, 0, 1, 0, "127.0.0.1", master.port), interval=0.05)
+    monitor.watch()
+    try:
+        wait_until(lambda: beats(master, 1) >= [3])
+    finally:
+        monitor.stop()
+    assert failed == [0]
