@@ -34,6 +34,7 @@ __all__ = [
     "DiLoCoStrategy",
     "EarlyStopping",
     "FaultTolerantMirroredStrategy",
+    "FaultTolerantShardedStrategy",
     "HybridStrategy",
     "InputContext",
     "LaunchError",

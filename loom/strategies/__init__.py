@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from loom.strategies.model_parallel.hybrid import HybridStrategy
     from loom.strategies.parameter_server.coordinator import ClusterCoordinator, RemoteValue
     from loom.strategies.parameter_server.strategy import ParameterServerStrategy
+    from loom.strategies.model_parallel.fault_tolerant_sharded import FaultTolerantShardedStrategy
     from loom.strategies.model_parallel.sharded import ShardedStrategy
     from loom.strategies.model_parallel.tensor_parallel import TensorParallelStrategy
 
@@ -32,6 +33,7 @@ ON_FIRST_USE = {
     "ClusterCoordinator": "loom.strategies.parameter_server.coordinator",
     "RemoteValue": "loom.strategies.parameter_server.coordinator",
     "ShardedStrategy": "loom.strategies.model_parallel.sharded",
+    "FaultTolerantShardedStrategy": "loom.strategies.model_parallel.fault_tolerant_sharded",
     "TensorParallelStrategy": "loom.strategies.model_parallel.tensor_parallel",
     "HybridStrategy": "loom.strategies.model_parallel.hybrid",
 }
@@ -57,6 +59,7 @@ STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one l
     "local_sgd": LocalSGDStrategy,
     "diloco": DiLoCoStrategy,
     "fault_tolerant": FaultTolerantMirroredStrategy,
+    "fault_tolerant_sharded": "FaultTolerantShardedStrategy",
 }
 
 
@@ -91,6 +94,7 @@ __all__ = [
     "ClusterCoordinator",
     "DiLoCoStrategy",
     "FaultTolerantMirroredStrategy",
+    "FaultTolerantShardedStrategy",
     "HybridStrategy",
     "LocalSGDStrategy",
     "Mesh",

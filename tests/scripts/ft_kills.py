@@ -1,4 +1,4 @@
-"""A replica group's script for the kill tests: ft_train's model, data and schedule, steps paced by the test.
+"""A replica group's script for the kill tests: ft_train's model, data, schedule and clipping, steps paced by the test.
 
 ``ft_kills.py OUT``: each committed step is appended to OUT/steps.jsonl (batch, groups, sample ids) and
 each process saves its final weights as OUT/final-<group>-<rank>.pt, as ft_train does. The test holds
@@ -117,7 +117,7 @@ def main() -> None:
     rank = strategy.cluster.rank
     model, opt = strategy.prepare(ft_train.make_model(GROUP + 1), ft_train.optimizer)
     sched = TrippingStepLR(opt, step_size=3, gamma=0.5)
-    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=ft_train.MAX_NORM)
     loader = strategy.distribute(ft_train.Numbered(), batch_size=ft_train.BATCH, shuffle=True)
     with open(OUT / "steps.jsonl", "a") as log:
         for _ in range(ft_train.EPOCHS):

@@ -1,5 +1,6 @@
 """A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches,
-through ``train_step`` with a StepLR schedule (chainable: each learning rate is computed from the last).
+through ``train_step`` with a StepLR schedule (chainable: each learning rate is computed from the last) and a
+gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy.
 
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
 
@@ -28,6 +29,7 @@ from torch import nn
 import loom
 
 SAMPLES, BATCH, EPOCHS = 96, 12, 2
+MAX_NORM = 0.5
 
 
 class Numbered(torch.utils.data.Dataset):
@@ -98,6 +100,10 @@ def _start_late(out: Path, hold_at: int) -> int | None:
     return None
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+
+
 def _refusal(call) -> str:
     try:
         call()
@@ -115,7 +121,7 @@ def main(out: Path) -> None:
     if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
         while not any(e["event"] == "commit" and e["batch"] == die_batch for e in _events(0)):
             time.sleep(0.05)
-    strategy = loom.auto_strategy()
+    strategy = loom.FaultTolerantShardedStrategy() if os.environ.get("STRATEGY") == "sharded" else loom.auto_strategy()
     group, rank = strategy.group, strategy.cluster.rank
     if os.environ.get("CHECK_REFUSALS"):
         refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
@@ -125,7 +131,7 @@ def main(out: Path) -> None:
         refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
         (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
     sched = scheduler(opt)
-    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=MAX_NORM)
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):
@@ -140,11 +146,14 @@ def main(out: Path) -> None:
                 step(x, y)
                 if strategy.committed:
                     log.write(json.dumps({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
-                                          "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync}) + "\n")
+                                          "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync,
+                                          "norm": float(step.grad_norm)}) + "\n")
                     log.flush()
                 if 0 <= hold_at <= m.batch and group != die_group and strategy.committed:
                     _hold(m.batch == hold_at, die_group)
-    torch.save(loom.unwrap(model).state_dict(), out / f"final-{group}-{rank}.pt")
+    final = loom.unwrap(model).state_dict()
+    (out / f"held-{group}-{rank}.json").write_text(json.dumps({k: _local(v).numel() for k, v in final.items()}))
+    torch.save({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in final.items()}, out / f"final-{group}-{rank}.pt")
     (out / f"lr-{group}-{rank}.json").write_text(json.dumps(schedule_state(opt, sched)))
 
 

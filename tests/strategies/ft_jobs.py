@@ -22,11 +22,11 @@ spec.loader.exec_module(ft_train)
 
 def one_device() -> tuple[dict[str, torch.Tensor], dict]:
     """The reference: one process trains group 0's start-up weights on every global batch, with the same
-    schedule; its final weights and learning rate."""
+    schedule and clipping; its final weights and learning rate."""
     strategy = loom.OneDeviceStrategy("cpu")
     model, opt = strategy.prepare(ft_train.make_model(1), ft_train.optimizer)
     sched = ft_train.scheduler(opt)
-    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=ft_train.MAX_NORM)
     loader = strategy.distribute(ft_train.Numbered(), batch_size=ft_train.BATCH, shuffle=True)
     for _ in range(ft_train.EPOCHS):
         for x, y, _ids in loader:

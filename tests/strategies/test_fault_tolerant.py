@@ -1,7 +1,8 @@
 """FaultTolerantMirroredStrategy under ``loom run --groups``: exact data through a kill -9, healing, equivalence.
 
-Two launched jobs, each shared by several assertions. Without failure, 2 groups of 2 processes
-end where OneDeviceStrategy on the global batch ends. With group 1 killed in the middle of a
+Launched jobs, each shared by several assertions; every step clips the gradient norm, about half
+of them below it. Without failure, 2 groups of 2 processes end where OneDeviceStrategy on the
+global batch ends (clipped as one device clips: the norm of the whole batch's gradient). With group 1 killed in the middle of a
 step: the step is not applied and is trained again by group 0 alone, group 0 is never
 restarted, group 1 comes back, heals from group 0 (no checkpoint exists) and ends bit-identical
 to it, its StepLR schedule included; every sample of every epoch is trained exactly once, and the
@@ -23,7 +24,7 @@ import loom
 
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
-from tests.strategies.ft_jobs import assert_close, finish, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, finish, ft_train, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -32,6 +33,7 @@ def test_groups_without_failure_equal_one_device(tmp_path):
     finish(job, 280)
     steps = read_steps(tmp_path)
     assert {s["replicas"] for s in steps} == {4}  # 2 groups x 2 processes
+    assert 0 < sum(s["norm"] > ft_train.MAX_NORM for s in steps) < len(steps)  # clipping bites, not at every step
     assert all(c == Counter(range(96)) for c in samples_per_epoch(steps).values())
     final = {(g, r): torch.load(tmp_path / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
     weights, schedule = one_device()
@@ -109,3 +111,34 @@ def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_o
     assert f"batch {die_at} not applied" in err
     assert "group 1 left at batch" in err and "group 1 rejoined at batch" in err and "group 1 healed at batch" in err
     assert not list(tmp_path.glob("**/*checkpoint*"))
+
+
+@pytest.mark.timeout(300)
+def test_sharded_groups_heal_shard_by_shard_from_a_live_group_and_equal_one_device(tmp_path):
+    """FT-HSDP: 2 groups x 2 FSDP2 processes, group 1 killed mid-step. Each process holds half of the model
+    and heals it from the same process of group 0; the groups start unequal and end as one device."""
+    die_at, hold_at = 3, 5
+    job = start_job(tmp_path, "--groups", "2", "--nproc", "2", "--max-restarts", "1", env={"STRATEGY": "sharded", "DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at)})
+    deadline = time.monotonic() + 240
+    dying = tmp_path / "dying"
+    while not (dying.exists() and dying.read_text()):
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "group 1 never reached the batch it dies in"
+        time.sleep(0.05)
+    subprocess.run(["kill", "-9", dying.read_text()], check=True)
+    err = finish(job, max(deadline - time.monotonic(), 30))
+
+    steps = read_steps(tmp_path)
+    assert next(s for s in steps if s["g"] == 0 and s["batch"] == die_at)["groups"] == [0]  # redone without the dead group
+    healed = [s for s in steps if s["g"] == 1 and s["restart"] == 1]
+    assert healed and healed[0]["batch"] > hold_at and healed[-1]["batch"] == 15
+    for epoch, count in samples_per_epoch(steps).items():
+        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    held = json.loads((tmp_path / "held-0-0.json").read_text())
+    assert held["0.weight"] == 8 * 8 and held["2.weight"] == 16  # half of Linear(8, 16) and of Linear(16, 2): a shard
+    final = {(g, r): torch.load(tmp_path / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
+    assert all(torch.equal(final[0, 0][k], final[g, r][k]) for g, r in final for k in final[0, 0])  # bit-identical
+    weights, schedule = one_device()
+    assert_close(final[0, 0], weights)
+    assert json.loads((tmp_path / "lr-1-1.json").read_text()) == schedule
+    assert "group 1 healed at batch" in err

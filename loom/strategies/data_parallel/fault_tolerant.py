@@ -1,8 +1,9 @@
-"""Mirrored across replica groups that fail, shrink, heal and rejoin while the others train (FT-DDP).
+"""Replica groups that fail, shrink, heal and rejoin while the others train: FT-DDP and FT-HSDP.
 
 ``loom run --groups G --nproc N`` starts G groups of N processes; ``auto_strategy()`` then gives
-this strategy. Within a group the N processes are ordinary DDP (``MirroredStrategy``). Across
-groups it is torchft: a lighthouse decides at every step which groups take part (the quorum),
+``FaultTolerantMirroredStrategy``: within a group the N processes are ordinary DDP
+(``MirroredStrategy``). ``FaultTolerantShardedStrategy`` shards within a group instead (FSDP2,
+``ShardedStrategy``) and replicates across groups (HSDP). Across groups it is torchft: a lighthouse decides at every step which groups take part (the quorum),
 and each group's gradient is summed across them by torchft's Manager, whose all-reduce a dead
 group cannot corrupt, only make fail. One step, the whole contract:
 
@@ -12,9 +13,10 @@ group cannot corrupt, only make fail. One step, the whole contract:
    applies the same update). No checkpoint is read.
 2. data: global batch ``d`` (``d`` = steps the job has committed) is split among the groups
    that are not healing, then among each group's N processes (``fault_tolerant_data``).
-3. gradients: DDP averages them within the group; each group's mean, weighted by its share of
-   the batch, is summed across groups: the mean gradient of the whole global batch. Process r
-   of a group sums only the r-th of N parts with the other groups, then the group gathers them.
+3. gradients: DDP averages them within the group (FSDP2 reduce-scatters them: process r keeps
+   the r-th shard); each group's mean, weighted by its share of the batch, is summed across
+   groups: the mean gradient of the whole global batch. Process r of a group sums only the r-th
+   of N parts with the other groups (under DDP the group then gathers them). Clipping comes after.
    With them go the groups' digests of the steps they applied: when a split quorum's branches
    meet at one step, the step is refused and all but the lowest group's branch leave
    (``fault_tolerant_history``).
@@ -25,6 +27,11 @@ group cannot corrupt, only make fail. One step, the whole contract:
 
 ``num_replicas_in_sync`` follows the membership. ``reduce``, ``gather`` and ``barrier`` combine
 the processes of this group only (they run outside the step, where a group may be missing).
+
+The job's first step makes every group start from group 0's weights (its optimizer is still
+empty): each process sums its state with the same process of every group, group 0 adding its
+values and the others zeros. torchft's own start-up sync is off: it takes process r's state from
+a different group for each r, which mixes the groups' shards under FSDP2.
 """
 
 from __future__ import annotations
@@ -74,25 +81,21 @@ class Membership:
         return self.stop - self.start
 
 
-class FaultTolerantMirroredStrategy(MirroredStrategy):
-    """MirroredStrategy within each replica group, torchft's fault-tolerant all-reduce across groups.
+class _AcrossGroups:
+    """torchft across the replica groups; mixed in before the strategy that runs within a group.
 
     A quorum that holds a group launched for another job (see ``loom.launch.groups.job_digest``) is refused.
-
-    Args:
-        precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
-        timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
-        **options: MirroredStrategy's DDP options, for the processes of a group.
     """
 
     trains_across_groups = True
 
     def __init__(self, precision: str = "32", timeout: float | None = None, **options: Any) -> None:
+        name = type(self).__name__
         if precision == "16-mixed":
-            raise ValueError("FaultTolerantMirroredStrategy cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
+            raise ValueError(f"{name} cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
         if not in_groups():
             raise LaunchError(
-                "FaultTolerantMirroredStrategy trains replica groups that a lighthouse coordinates: start the script "
+                f"{name} trains replica groups that a lighthouse coordinates: start the script "
                 "with `loom run --groups G --nproc N script.py`"
             )
         super().__init__(precision=precision, timeout=timeout, **options)
@@ -130,6 +133,7 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 pg=ProcessGroupGloo(timeout=timeout),
                 load_state_dict=None,
                 state_dict=None,
+                init_sync=False,  # the start-up step syncs from group 0 itself (see the module)
                 min_replica_size=1,
                 use_async_quorum=True,  # a healing group adds zeros and is not counted; loom waits for the quorum before the data
                 timeout=timeout,
@@ -165,14 +169,14 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
     # ---- model and optimizer ------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **options: Any) -> Any:  # type: ignore[override]
-        """Wrap as MirroredStrategy does, then join the job: take the weights of a live group (or of group 0 at the start)."""
+        """Wrap as the strategy within the group does, then join the job: take the weights of a live group (or of group 0 at the start)."""
         if optimizer is None:
             raise ValueError(
                 "under --groups a restarted group heals with the optimizer's state too: pass the optimizer, "
                 "strategy.prepare(model, optimizer)"
             )
         if self._optimizer is not None:
-            raise ValueError("FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once")
+            raise ValueError(f"{type(self).__name__} trains one model and optimizer: call prepare() once")
         wrapped, opt = super().prepare(model, optimizer, **options)
         module, inner = unwrap(wrapped), opt.optimizer
         self._optimizer = inner
@@ -180,12 +184,17 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
         def state() -> dict[str, Any]:
             schedulers = [s.state_dict() for s in self._schedulers]
-            return {"model": module.state_dict(), "optimizer": inner.state_dict(), "schedulers": schedulers, "history": self._history.value}
+            model = {key: self._local(value) for key, value in module.state_dict().items()}  # process r's parts heal process r
+            optimizer = self._local_optimizer_state(inner)
+            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.value, "clip": self._clip}
 
         def load(saved: dict[str, Any]) -> None:
-            module.load_state_dict(saved["model"])
-            inner.load_state_dict(saved["optimizer"])
+            with torch.no_grad():
+                for key, value in module.state_dict().items():
+                    self._local(value).copy_(saved["model"][key])
+            inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
             self._healed_schedulers = saved["schedulers"]
+            self._clip = saved["clip"]
             self._history.value = saved["history"]
 
         self._manager.register_state_dict_fn("loom", load, state)
@@ -195,10 +204,10 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
     def _start(self, module: nn.Module) -> None:
         """The job's first step is a sync: every group takes group 0's weights. A group joining later heals instead.
 
-        torchft syncs process r of every group from process r of one group (a different one for each r,
-        to spread the load); the broadcast within each group then makes all take group 0's. Until
-        this group is in the job (the sync or its heal applied), it takes quorums again: a heal whose
-        live group died in the middle is taken again from another, never started over at step 0.
+        Process r of every group sums its state with process r of the others, group 0 adding its
+        values and the others zeros (see the module). Until this group is in the job (the sync or
+        its heal applied), it takes quorums again: a heal whose live group died in the middle is
+        taken again from another, never started over at step 0.
         """
         started = time.time()
         self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
@@ -210,12 +219,15 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
                 if self._heal_applied:
                     return
                 continue
-            self._manager.allreduce(torch.zeros(1), reduce_op=ReduceOp.SUM).wait()  # holds group 0 until every group has its weights
+            states = [self._local(t) for t in module.state_dict().values()]
+            source = self.group == min(self._quorum_groups())
+            sums = [_summable(t) if source else torch.zeros_like(_summable(t)) for t in states]
+            self._managed_sum(sums)
             if self._manager.should_commit():
                 break
-        with self._guard(), torch.no_grad():
-            for tensor in module.state_dict().values():
-                dist.broadcast(tensor, 0)
+        with torch.no_grad():
+            for tensor, summed in zip(states, sums):
+                tensor.copy_(summed)
 
     def _under_way(self) -> bool:
         """Whether a group of the current quorum has trained: the job has started (this group's own step may still be 0)."""
@@ -294,16 +306,34 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         each = m.samples // self.group_size
         return m.start + self.cluster.rank * each, m.start + (self.cluster.rank + 1) * each
 
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, max_norm: float, norm_type: float = 2.0) -> torch.Tensor | None:
+        """Clip the global batch's gradient: the groups' sum is taken first (the step's commit vote with it), then clipped.
+
+        The norm goes with a heal: the healing group applies the step's update as the live one does, clipping included.
+        """
+        self._clip = (max_norm, norm_type)
+        if self._in_step and self.sync_gradients:
+            self._sync()
+        return super().clip_gradients(optimizer, max_norm, norm_type)  # type: ignore[misc]
+
     def _sync_and_commit(self) -> bool:
-        """Sum the groups' weighted gradients; True when every group's all-reduce completed and the step may apply."""
+        """The optimizer's step: True when every group's all-reduce completed and the step may apply."""
+        if not self._synced:
+            self._sync()
+        self._synced = False
+        return bool(self.committed)
+
+    def _sync(self) -> None:
+        """Sum the groups' weighted gradients and vote on the step: ``committed`` says whether it applies."""
         if not self._in_step:
             raise RuntimeError(
                 "under --groups each step trains the batch that strategy.distribute(...) hands out after the step's "
                 "quorum: iterate that loader, one optimizer step per batch"
             )
         self._in_step = False
+        self._synced = True
         weight = self.membership.samples / self._global_batch
-        flats = [_flatten(bucket).mul_(weight) for bucket in self._buckets]
+        flats = [self._flatten(bucket).mul_(weight) for bucket in self._buckets]
         history = self._history.slots(self.group, self.groups)
         self._sum_across_groups([history, *flats])
         diverged = History.diverged(history)
@@ -319,15 +349,14 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
         if committed:
             self._history.advance(self.membership.quorum_id)
             for bucket, flat in zip(self._buckets, flats):
-                _unflatten(flat, bucket)
+                self._unflatten(flat, bucket)
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
-        return committed
 
     def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
         """Sum each bucket over the groups, in place: process r of each group sums the r-th of N parts
         with process r of the others (torchft's managed all-reduce), then the group gathers the parts."""
         n, rank = self.group_size, self.cluster.rank
-        if n == 1:
+        if n == 1 or self.shards_gradients:
             return self._managed_sum(flats)
         padded = [F.pad(flat, (0, -flat.numel() % n)) for flat in flats]
         mine = [p.view(n, -1)[rank].clone() for p in padded]
@@ -344,13 +373,15 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
     def _ghost_step(self, started: float) -> None:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
-        flats = [torch.zeros(sum(p.numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
+        flats = [torch.zeros(sum(self._local(p).numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
         self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), *flats])
         self._heal_applied = self._manager.should_commit()  # loads the live group's state (and history) before deciding
         if self._heal_applied:
             self._history.advance(ft_quorum_id(self._manager))
             for bucket, flat in zip(self._buckets, flats):
-                _unflatten(flat, bucket)
+                self._unflatten(flat, bucket)
+            if self._clip is not None:  # the live group's, healed with its state: it clipped this sum too
+                self._clip_grad_norm([p for bucket in self._buckets for p in bucket], *self._clip)
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         self._take_schedulers()
@@ -416,10 +447,62 @@ class FaultTolerantMirroredStrategy(MirroredStrategy):
 
     _global_batch = 1
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
+    _synced = False  # clipping summed this step's gradients across the groups already
+    _clip: tuple[float, float] | None = None  # the norm (and its type) the steps clip to, once a step has clipped
+    shards_gradients = False  # whether process r holds only the r-th shard of each gradient (FSDP2)
+
+    # ---- process r's part of a tensor: all of it here; FaultTolerantShardedStrategy's: its DTensor shard ----
+    @staticmethod
+    def _local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    @staticmethod
+    def _shard_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """``_local``'s inverse: ``local`` as the part of a tensor laid out as ``param``."""
+        return local
+
+    def _flatten(self, bucket: list[nn.Parameter]) -> torch.Tensor:
+        return torch.cat([self._local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+
+    def _unflatten(self, flat: torch.Tensor, bucket: list[nn.Parameter]) -> None:
+        offset = 0
+        for p in bucket:
+            local = self._local(p.detach())
+            part = flat[offset : offset + local.numel()].view_as(local)
+            if p.grad is None:
+                p.grad = self._shard_like(p, part.clone())
+            else:
+                self._local(p.grad).copy_(part)
+            offset += local.numel()
+
+    def _local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer.state_dict()`` with process r's parts (those that differ from the whole named in ``"sharded"``)."""
+        saved = optimizer.state_dict()
+        state = {index: {key: self._local(v) if isinstance(v, torch.Tensor) else v for key, v in entry.items()} for index, entry in saved["state"].items()}
+        sharded = [[index, key] for index, entry in saved["state"].items() for key, v in entry.items() if state[index][key] is not v]
+        return {**saved, "state": state, "sharded": sharded}
+
+    def _whole_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+        """``_local_optimizer_state``'s inverse, on this process's parameters."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {index: dict(entry) for index, entry in saved["state"].items()}
+        for index, key in saved["sharded"]:
+            state[index][key] = self._shard_like(params[index], state[index][key])
+        return {"state": state, "param_groups": saved["param_groups"]}
 
     def shutdown(self) -> None:
         self._manager.shutdown(wait=False)
-        super().shutdown()
+        super().shutdown()  # type: ignore[misc]
+
+
+class FaultTolerantMirroredStrategy(_AcrossGroups, MirroredStrategy):
+    """MirroredStrategy (DDP) within each replica group, torchft's fault-tolerant all-reduce across groups (FT-DDP).
+
+    Args:
+        precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
+        timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
+        **options: MirroredStrategy's DDP options, for the processes of a group.
+    """
 
 
 class _CommittingOptimizer(StrategyOptimizer):
@@ -449,16 +532,6 @@ def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     return [b for b in buckets if b]
 
 
-def _flatten(bucket: list[nn.Parameter]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-
-
-def _unflatten(flat: torch.Tensor, bucket: list[nn.Parameter]) -> None:
-    offset = 0
-    for p in bucket:
-        part = flat[offset : offset + p.numel()].view_as(p)
-        if p.grad is None:
-            p.grad = part.clone()
-        else:
-            p.grad.copy_(part)
-        offset += p.numel()
+def _summable(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy that gloo can sum (bool as uint8)."""
+    return tensor.detach().to(torch.uint8 if tensor.dtype == torch.bool else tensor.dtype, copy=True)
