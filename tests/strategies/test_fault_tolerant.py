@@ -16,6 +16,7 @@ import re
 import subprocess
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -73,9 +74,20 @@ def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_
         assert json.loads((tmp_path / f"lr-{g}-0.json").read_text()) == schedule
 
 
-def test_fp16_is_refused_in_one_line():
+def test_fp16_and_batchnorm_synced_within_groups_only_are_refused_in_one_line():
     with pytest.raises(ValueError, match=r"cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'"):
         loom.FaultTolerantMirroredStrategy(precision="16-mixed")
+    with pytest.raises(ValueError, match=r"^FaultTolerantShardedStrategy cannot sync BatchNorm statistics across groups \(sync_batchnorm=True would sync them within each group only\)"):
+        loom.FaultTolerantShardedStrategy(sync_batchnorm=True)
+
+
+def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
+    """As under ``strategy.accumulate(2)``: the next batch would take the same global batch again."""
+    from loom.strategies.data_parallel.fault_tolerant import _AcrossGroups
+
+    stepped = SimpleNamespace(_in_step=True)
+    with pytest.raises(RuntimeError, match=r"^under --groups each batch that distribute\(\) hands out is one optimizer step .* not strategy.accumulate\(\)$"):
+        _AcrossGroups._next_batch(stepped, end=8)
 
 
 @pytest.mark.timeout(300)

@@ -93,6 +93,11 @@ class _AcrossGroups:
         name = type(self).__name__
         if precision == "16-mixed":
             raise ValueError(f"{name} cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
+        if options.get("sync_batchnorm"):
+            raise ValueError(
+                f"{name} cannot sync BatchNorm statistics across groups (sync_batchnorm=True would sync them within each "
+                "group only): drop it (each process normalises over its own slice), or use GroupNorm or LayerNorm"
+            )
         if not in_groups():
             raise LaunchError(
                 f"{name} trains replica groups that a lighthouse coordinates: start the script "
@@ -281,6 +286,11 @@ class _AcrossGroups:
 
         A quorum in which this group heals is a step of its own (without data): then the next one is taken.
         """
+        if self._in_step:  # the last batch's step was not taken: it would be trained again, and its gradients with this one's
+            raise RuntimeError(
+                "under --groups each batch that distribute() hands out is one optimizer step (its quorum decides its data): "
+                "call optimizer.step() for every batch, and accumulate with train_step(accumulate=k), not strategy.accumulate()"
+            )
         while True:
             batch = self.committed_batches()
             if batch >= end:
