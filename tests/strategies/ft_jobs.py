@@ -34,6 +34,13 @@ def one_device() -> tuple[dict[str, torch.Tensor], dict]:
     return loom.unwrap(model).state_dict(), ft_train.schedule_state(opt, sched)
 
 
+def evaluated(weights: dict[str, torch.Tensor]) -> float:
+    """OneDevice's ``loom.evaluate`` loss of ``weights`` over the evaluation data."""
+    model = ft_train.make_model(0)
+    model.load_state_dict(weights)
+    return loom.evaluate(model, F.cross_entropy, ft_train.evaluation_data(), batch_size=ft_train.BATCH, strategy=loom.OneDeviceStrategy("cpu"))["loss"]
+
+
 def start_job(out, *flags, env=None):
     return popen(
         [*LOOM, "run", *flags, str(SCRIPTS / "ft_train.py"), str(out)],

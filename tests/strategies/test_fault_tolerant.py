@@ -25,7 +25,7 @@ import loom
 
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
-from tests.strategies.ft_jobs import assert_close, finish, ft_train, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -41,6 +41,8 @@ def test_groups_without_failure_equal_one_device(tmp_path):
     for g, r in final:
         assert_close(final[g, r], weights)
         assert json.loads((tmp_path / f"lr-{g}-{r}.json").read_text()) == schedule
+        # loom.evaluate takes no quorum: each group evaluates every sample, split among its processes
+        assert json.loads((tmp_path / f"eval-{g}-{r}.json").read_text())["loss"] == pytest.approx(evaluated(final[g, r]), rel=1e-6)
     refusals = json.loads((tmp_path / "refusals-1-1.json").read_text())
     assert refusals[0].startswith("under --groups a restarted group heals with the optimizer's state too: pass the optimizer")
     assert refusals[1] == "FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once"
@@ -82,12 +84,14 @@ def test_fp16_and_batchnorm_synced_within_groups_only_are_refused_in_one_line():
 
 
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
-    """As under ``strategy.accumulate(2)``: the next batch would take the same global batch again."""
+    """As under ``strategy.accumulate(2)``: the next batch would take the same global batch again; or, after clipping
+    (which summed the gradients and voted), be counted as trained."""
     from loom.strategies.data_parallel.fault_tolerant import _AcrossGroups
 
-    stepped = SimpleNamespace(_in_step=True)
-    with pytest.raises(RuntimeError, match=r"^under --groups each batch that distribute\(\) hands out is one optimizer step .* not strategy.accumulate\(\)$"):
-        _AcrossGroups._next_batch(stepped, end=8)
+    refusal = r"^under --groups each batch that distribute\(\) hands out is one optimizer step .* not strategy.accumulate\(\)$"
+    for not_stepped in (SimpleNamespace(_in_step=True, _synced=False), SimpleNamespace(_in_step=False, _synced=True)):  # or clipped, not stepped
+        with pytest.raises(RuntimeError, match=refusal):
+            _AcrossGroups._next_batch(not_stepped, end=8)
 
 
 @pytest.mark.timeout(300)
@@ -146,11 +150,15 @@ def test_sharded_groups_heal_shard_by_shard_from_a_live_group_and_equal_one_devi
     assert healed and healed[0]["batch"] > hold_at and healed[-1]["batch"] == 15
     for epoch, count in samples_per_epoch(steps).items():
         assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
-    held = json.loads((tmp_path / "held-0-0.json").read_text())
-    assert held["0.weight"] == 8 * 8 and held["2.weight"] == 16  # half of Linear(8, 16) and of Linear(16, 2): a shard
+    held = [json.loads((tmp_path / f"held-0-{r}.json").read_text()) for r in (0, 1)]
+    assert [(h["0.weight"], h["2.weight"]) for h in held] == [(8 * 8, 2 * 15), (7 * 8, 1 * 15)]  # uneven shards of 15 and 3 rows
     final = {(g, r): torch.load(tmp_path / f"final-{g}-{r}.pt") for g in (0, 1) for r in (0, 1)}
     assert all(torch.equal(final[0, 0][k], final[g, r][k]) for g, r in final for k in final[0, 0])  # bit-identical
     weights, schedule = one_device()
     assert_close(final[0, 0], weights)
     assert json.loads((tmp_path / "lr-1-1.json").read_text()) == schedule
+    for g, r in final:
+        assert json.loads((tmp_path / f"eval-{g}-{r}.json").read_text())["loss"] == pytest.approx(evaluated(final[g, r]), rel=1e-6)
+    heal = next(s for s in steps if s["g"] == 0 and s["batch"] == healed[0]["batch"] - 1)
+    assert heal["norm"] > ft_train.MAX_NORM  # the step group 1 healed in was clipped: so was its copy of it
     assert "group 1 healed at batch" in err

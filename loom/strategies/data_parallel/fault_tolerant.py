@@ -59,6 +59,7 @@ from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group
 from loom.strategies.data_parallel.fault_tolerant_history import History
 from loom.strategies.data_parallel.mirrored import MirroredStrategy
 from loom.strategies.optimizer import StrategyOptimizer
+from loom.strategies.precision import canonical
 from loom.strategies.step import LossFn, TrainStep
 
 BUCKET_BYTES = 25 * 2**20  # gradients cross groups in all-reduces of at most this size
@@ -91,7 +92,8 @@ class _AcrossGroups:
 
     def __init__(self, precision: str = "32", timeout: float | None = None, **options: Any) -> None:
         name = type(self).__name__
-        if precision == "16-mixed":
+        policy = options.get("mp_policy")
+        if canonical(precision) == "16-mixed" or getattr(policy, "param_dtype", None) == torch.float16:
             raise ValueError(f"{name} cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'")
         if options.get("sync_batchnorm"):
             raise ValueError(
@@ -224,15 +226,14 @@ class _AcrossGroups:
                 if self._heal_applied:
                     return
                 continue
-            states = [self._local(t) for t in module.state_dict().values()]
-            source = self.group == min(self._quorum_groups())
-            sums = [_summable(t) if source else torch.zeros_like(_summable(t)) for t in states]
-            self._managed_sum(sums)
+            states = [self._local(t) for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
+            flats = _flat_by_dtype(states)
+            if self.group != min(self._quorum_groups()):
+                flats = {dtype: torch.zeros_like(flat) for dtype, flat in flats.items()}
+            self._managed_sum(list(flats.values()))
             if self._manager.should_commit():
                 break
-        with torch.no_grad():
-            for tensor, summed in zip(states, sums):
-                tensor.copy_(summed)
+        _unflat_by_dtype(flats, states)
 
     def _under_way(self) -> bool:
         """Whether a group of the current quorum has trained: the job has started (this group's own step may still be 0)."""
@@ -286,7 +287,7 @@ class _AcrossGroups:
 
         A quorum in which this group heals is a step of its own (without data): then the next one is taken.
         """
-        if self._in_step:  # the last batch's step was not taken: it would be trained again, and its gradients with this one's
+        if self._in_step or self._synced:  # the last batch's step was not taken: it would be trained again, or counted as trained
             raise RuntimeError(
                 "under --groups each batch that distribute() hands out is one optimizer step (its quorum decides its data): "
                 "call optimizer.step() for every batch, and accumulate with train_step(accumulate=k), not strategy.accumulate()"
@@ -345,7 +346,8 @@ class _AcrossGroups:
         weight = self.membership.samples / self._global_batch
         flats = [self._flatten(bucket).mul_(weight) for bucket in self._buckets]
         history = self._history.slots(self.group, self.groups)
-        self._sum_across_groups([history, *flats])
+        present = torch.tensor([float(p.grad is not None) for bucket in self._buckets for p in bucket])
+        self._sum_across_groups([history, present, *flats])
         diverged = History.diverged(history)
         if diverged:  # a split quorum's branches met: nobody applies this step, and the other branch leaves
             self._manager.report_error(RuntimeError(f"group(s) {diverged} trained another branch of the job"))
@@ -358,8 +360,7 @@ class _AcrossGroups:
             )
         if committed:
             self._history.advance(self.membership.quorum_id)
-            for bucket, flat in zip(self._buckets, flats):
-                self._unflatten(flat, bucket)
+            self._apply_sums(flats, present)
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
 
     def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
@@ -383,15 +384,15 @@ class _AcrossGroups:
 
     def _ghost_step(self, started: float) -> None:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
-        flats = [torch.zeros(sum(self._local(p).numel() for p in bucket), dtype=bucket[0].dtype, device=self.device) for bucket in self._buckets]
-        self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), *flats])
+        flats = [torch.zeros(sum(self._local(p).numel() for p in bucket), dtype=bucket[0].dtype, device=self._local(bucket[0]).device) for bucket in self._buckets]
+        present = torch.zeros(sum(len(bucket) for bucket in self._buckets))
+        self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), present, *flats])
         self._heal_applied = self._manager.should_commit()  # loads the live group's state (and history) before deciding
         if self._heal_applied:
             self._history.advance(ft_quorum_id(self._manager))
-            for bucket, flat in zip(self._buckets, flats):
-                self._unflatten(flat, bucket)
-            if self._clip is not None:  # the live group's, healed with its state: it clipped this sum too
-                self._clip_grad_norm([p for bucket in self._buckets for p in bucket], *self._clip)
+            self._apply_sums(flats, present)
+            if self._clip is not None:  # the live group's, healed with its state: it clipped this sum too, in this order
+                self._clip_grad_norm([p for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None], *self._clip)
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
         self._take_schedulers()
@@ -410,6 +411,8 @@ class _AcrossGroups:
     ) -> TrainStep:
         """Mirrored's step; its scheduler steps only on applied steps and heals with the weights."""
         step = super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+        if max_grad_norm is not None:
+            self._clip = (max_grad_norm, 2.0)  # before its first step: a group may heal from this one before it clips
         if scheduler is not None:
             self._schedulers.append(scheduler)
             self._take_schedulers()  # a group that healed in prepare() takes the live schedulers now
@@ -467,9 +470,15 @@ class _AcrossGroups:
         return tensor
 
     @staticmethod
-    def _shard_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        """``_local``'s inverse: ``local`` as the part of a tensor laid out as ``param``."""
+    def _shard_like(param: torch.Tensor, local: torch.Tensor, layout: Any = None) -> torch.Tensor:
+        """``_local``'s inverse: ``local`` as the part of a tensor on ``param``'s devices, laid out as
+        ``layout`` says (``_layout``'s), else as ``param``."""
         return local
+
+    @staticmethod
+    def _layout(tensor: torch.Tensor) -> Any:
+        """How a tensor of which ``_local`` gives a part is laid out: what ``_shard_like`` needs to rebuild it."""
+        return None
 
     def _flatten(self, bucket: list[nn.Parameter]) -> torch.Tensor:
         return torch.cat([self._local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
@@ -485,19 +494,28 @@ class _AcrossGroups:
                 self._local(p.grad).copy_(part)
             offset += local.numel()
 
+    def _apply_sums(self, flats: list[torch.Tensor], present: torch.Tensor) -> None:
+        """The summed gradients into the parameters; one that no group computed a gradient for keeps none,
+        as under DDP, so the optimizer leaves it alone (Adam would move it with zeros)."""
+        for bucket, flat in zip(self._buckets, flats):
+            self._unflatten(flat, bucket)
+        for p, groups in zip((p for bucket in self._buckets for p in bucket), present.tolist()):
+            if not groups:
+                p.grad = None
+
     def _local_optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer.state_dict()`` with process r's parts (those that differ from the whole named in ``"sharded"``)."""
         saved = optimizer.state_dict()
         state = {index: {key: self._local(v) if isinstance(v, torch.Tensor) else v for key, v in entry.items()} for index, entry in saved["state"].items()}
-        sharded = [[index, key] for index, entry in saved["state"].items() for key, v in entry.items() if state[index][key] is not v]
+        sharded = [[index, key, self._layout(v)] for index, entry in saved["state"].items() for key, v in entry.items() if state[index][key] is not v]
         return {**saved, "state": state, "sharded": sharded}
 
     def _whole_optimizer_state(self, optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
         """``_local_optimizer_state``'s inverse, on this process's parameters."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         state = {index: dict(entry) for index, entry in saved["state"].items()}
-        for index, key in saved["sharded"]:
-            state[index][key] = self._shard_like(params[index], state[index][key])
+        for index, key, layout in saved["sharded"]:
+            state[index][key] = self._shard_like(params[index], state[index][key], layout)
         return {"state": state, "param_groups": saved["param_groups"]}
 
     def shutdown(self) -> None:
@@ -542,6 +560,19 @@ def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
     return [b for b in buckets if b]
 
 
-def _summable(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy that gloo can sum (bool as uint8)."""
-    return tensor.detach().to(torch.uint8 if tensor.dtype == torch.bool else tensor.dtype, copy=True)
+def _flat_by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """The tensors' values in one flat copy per dtype (bool as uint8, which gloo can sum)."""
+    flats: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        flats.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+    return {dtype: torch.cat(parts).to(torch.uint8 if dtype == torch.bool else dtype) for dtype, parts in flats.items()}
+
+
+def _unflat_by_dtype(flats: dict[torch.dtype, torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    """``_flat_by_dtype``'s inverse: the values copied back into ``tensors``, in place."""
+    offsets = dict.fromkeys(flats, 0)
+    with torch.no_grad():
+        for t in tensors:
+            start = offsets[t.dtype]
+            t.copy_(flats[t.dtype][start : start + t.numel()].view_as(t))
+            offsets[t.dtype] = start + t.numel()

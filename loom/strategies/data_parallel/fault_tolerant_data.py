@@ -5,12 +5,17 @@ same on every group. Its samples are cut into ``count`` contiguous group slices 
 group's N processes, as even as possible), then each group slice into N equal process slices.
 Which batch comes next is the number of steps the job has committed, which a healed group takes
 over with the weights: so no batch is skipped, and none is trained twice.
+
+Iterated without gradients (``loom.evaluate``, ``fit``'s validation, ``predict``), the loader
+takes no quorum: each group reads every batch, split among its own processes, so a group's
+evaluation covers the whole data set.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+import torch
 from torch.utils.data import Dataset
 from torch.utils.data.dataloader import default_collate
 
@@ -68,6 +73,7 @@ class GroupLoader:
         self.collate_fn = collate_fn or default_collate
         self.epoch = 0
         self._started = False
+        self._evaluating = False
 
     def __len__(self) -> int:
         return len(self.dataset) // self.global_batch
@@ -76,17 +82,26 @@ class GroupLoader:
     def steps_per_epoch(self) -> int:
         return len(self)
 
+    @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
     def set_epoch(self, epoch: int) -> None:
         self.epoch, self._started = epoch, False
 
     def valid_count(self, batch: int) -> int:
-        """Samples this process trained in the last batch handed out (no batch is padded)."""
+        """Samples this process trained (or evaluated) in the last batch handed out (no batch is padded)."""
+        if self._evaluating:
+            return self.global_batch // self.strategy.group_size
         return self.strategy.membership.samples // self.strategy.group_size
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "batch": self.strategy.committed_batches() - self.epoch * len(self), "global_batch": self.global_batch}
 
     def __iter__(self) -> Iterator[Any]:
+        if not torch.is_grad_enabled():  # evaluation: no step follows, so no quorum decides the data
+            yield from self._evaluation()
+            return
         if self._started:
             self.epoch += 1
         self._started = True
@@ -99,3 +114,15 @@ class GroupLoader:
             start, stop = self.strategy._process_slice()
             members = order[(batch - first) * self.global_batch :][start:stop].tolist()
             yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)
+
+    def _evaluation(self) -> Iterator[Any]:
+        """Every global batch in the epoch's order, split among this group's processes only."""
+        each, rank = self.global_batch // self.strategy.group_size, self.strategy.cluster.rank
+        order = epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
+        self._evaluating = True
+        try:
+            for batch in range(len(self)):
+                start = batch * self.global_batch + rank * each
+                yield to_device(self.collate_fn([self.dataset[i] for i in order[start : start + each].tolist()]), self.strategy.device)
+        finally:
+            self._evaluating = False

@@ -10,6 +10,8 @@ is: DTensor and FSDP2 load on first use.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -27,8 +29,8 @@ class FaultTolerantShardedStrategy(_AcrossGroups, ShardedStrategy):
     Args:
         precision: ``"32"`` or ``"bf16-mixed"`` (fp16's loss scale is not healed, so it is refused).
         timeout: seconds a collective or a quorum may wait (default: ``LOOM_TIMEOUT``, else 300).
-        **options: ShardedStrategy's options (``wrap``, ``reshard_after_forward``, ``sync_batchnorm``, ...)
-            for the processes of a group.
+        **options: ShardedStrategy's options (``wrap``, ``reshard_after_forward``, ...) for the processes
+            of a group (not ``sync_batchnorm``: it would sync within a group only).
     """
 
     shards_gradients = True
@@ -38,7 +40,12 @@ class FaultTolerantShardedStrategy(_AcrossGroups, ShardedStrategy):
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
     @staticmethod
-    def _shard_like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def _shard_like(param: torch.Tensor, local: torch.Tensor, layout: Any = None) -> torch.Tensor:
         if not isinstance(param, DTensor):
             return local
-        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        placements, shape, stride = layout or (param.placements, param.shape, param.stride())  # an optimizer state may differ from its parameter
+        return DTensor.from_local(local, param.device_mesh, placements, shape=torch.Size(shape), stride=tuple(stride))
+
+    @staticmethod
+    def _layout(tensor: torch.Tensor) -> Any:
+        return (tuple(tensor.placements), tuple(tensor.shape), tuple(tensor.stride())) if isinstance(tensor, DTensor) else None
