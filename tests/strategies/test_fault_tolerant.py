@@ -77,10 +77,23 @@ def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_
 
 
 def test_fp16_and_batchnorm_synced_within_groups_only_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'"):
-        loom.FaultTolerantMirroredStrategy(precision="16-mixed")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for fp16 in (lambda: loom.FaultTolerantMirroredStrategy(precision="16-mixed"), lambda: loom.FaultTolerantMirroredStrategy(precision="mixed_float16"),
+                 lambda: loom.FaultTolerantShardedStrategy(mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))):  # fmt: skip
+        with pytest.raises(ValueError, match=r"cannot heal fp16's loss scale: use precision='bf16-mixed' or '32'"):
+            fp16()
     with pytest.raises(ValueError, match=r"^FaultTolerantShardedStrategy cannot sync BatchNorm statistics across groups \(sync_batchnorm=True would sync them within each group only\)"):
         loom.FaultTolerantShardedStrategy(sync_batchnorm=True)
+
+
+def test_a_parameter_no_group_computed_a_gradient_for_keeps_none():
+    """As under DDP and on one device: the optimizer skips it (Adam would move it with a zero gradient)."""
+    used, unused = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3))
+    strategy = object.__new__(loom.FaultTolerantMirroredStrategy)  # only its arithmetic, no job
+    strategy._buckets = [[used, unused]]
+    strategy._apply_sums([torch.arange(5.0)], present=torch.tensor([2.0, 0.0]))  # summed over the groups: 2 had one, none the other
+    assert used.grad.tolist() == [0.0, 1.0] and unused.grad is None
 
 
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
