@@ -34,6 +34,9 @@ from loom.comm import preemption, ring
 from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
+# A thread that wakes this much later than it asked did not run (the process was stopped or
+# starved): that time is left out of the silences it measures, which were its own.
+STALL = 1.0
 FAULT_DUMP_ENV = "LOOM_FAULT_DUMPS"  # a folder, set by loom's launcher, which reads the dumps there
 
 
@@ -161,7 +164,10 @@ class HealthMonitor:
                 silent = []
             if silent and not self._stop.is_set() and not self._failing:  # a failing rank says why itself
                 self._give_up("; ".join(silent))
-            self._stop.wait(self.interval)
+            asleep = time.monotonic()
+            if not self._stop.wait(self.interval) and (lost := time.monotonic() - asleep - self.interval) > STALL:
+                heard = {r: (beats, changed + lost) for r, (beats, changed) in heard.items()}  # not its peers' silence
+                still_since += lost  # nor its main thread's
 
     def _listen(self) -> None:
         """Wait for the alarm another rank raises (a peer it watches is gone, or the job hangs): this
@@ -203,8 +209,13 @@ class HealthMonitor:
 
     def _watch_contact(self) -> None:
         """A store call can block for good when this host is cut off: watch from another thread."""
+        woke = time.monotonic()
         while not self._stop.wait(self.interval):
-            if time.monotonic() - self._contact > self.silence_limit:
+            now = time.monotonic()
+            if (lost := now - woke - self.interval) > STALL:  # this process did not run: the store was not what went quiet
+                self._contact += lost
+            woke = now
+            if now - self._contact > self.silence_limit:
                 where = f"{self.spec.master_addr}:{self.spec.master_port}"
                 self._give_up(
                     f"lost contact with the job's store at {where} for {self.silence_limit:g}s "

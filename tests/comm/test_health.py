@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -156,3 +159,36 @@ def test_a_heartbeat_whose_connect_times_out_connects_again(job, monkeypatch):
     finally:
         monitor.stop()
     assert failed == [0]
+
+
+STOPPED_RANK = """
+import sys, time
+import torch.distributed as dist
+from loom.cluster import ClusterSpec
+from loom.comm.health import HealthMonitor
+master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+monitors = [HealthMonitor(ClusterSpec(r, 2, r, 2, 0, "127.0.0.1", master.port), interval=0.05) for r in range(2)]
+for monitor in monitors:
+    monitor._leave = lambda line, code: (print(line, flush=True), sys.exit(3))
+    monitor.watch()
+print("watching", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_rank_stopped_longer_than_the_heartbeat_timeout_and_resumed_accuses_nobody(tmp_path):
+    """A stopped process (SIGSTOP, a paused VM, a starved machine) comes back to a clock that jumped: the
+    silence is its own, not its store's nor its peers'. Its peers would name it; it must not name them."""
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_RANK], env={**os.environ, "LOOM_HEARTBEAT_TIMEOUT": "1", "LOOM_HANG_CHECK": "3600"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert proc.stdout.readline() == "watching\n"
+        proc.send_signal(signal.SIGSTOP)
+        time.sleep(3)  # a stop of three heartbeat timeouts: the stop itself is the condition
+        proc.send_signal(signal.SIGCONT)
+        with pytest.raises(subprocess.TimeoutExpired):  # still running: its beats resumed, nobody was named
+            proc.wait(timeout=3)
+    finally:
+        proc.kill()
+    said = proc.communicate()[0]
+    assert "lost contact" not in said and "cannot continue" not in said, said
