@@ -179,15 +179,16 @@ time.sleep(3600)
 def test_a_rank_stopped_longer_than_the_heartbeat_timeout_and_resumed_accuses_nobody(tmp_path):
     """A stopped process (SIGSTOP, a paused VM, a starved machine) comes back to a clock that jumped: the
     silence is its own, not its store's nor its peers'. Its peers would name it; it must not name them."""
-    proc = subprocess.Popen([sys.executable, "-c", STOPPED_RANK], env={**os.environ, "LOOM_HEARTBEAT_TIMEOUT": "1", "LOOM_HANG_CHECK": "3600"},
+    # a timeout a busy machine's scheduling cannot reach (its beats come every 50 ms), and a stop of twice that
+    proc = subprocess.Popen([sys.executable, "-c", STOPPED_RANK], env={**os.environ, "LOOM_HEARTBEAT_TIMEOUT": "4", "LOOM_HANG_CHECK": "3600"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         assert proc.stdout.readline() == "watching\n"
         proc.send_signal(signal.SIGSTOP)
-        time.sleep(3)  # a stop of three heartbeat timeouts: the stop itself is the condition
+        time.sleep(8)  # the stop itself is the condition
         proc.send_signal(signal.SIGCONT)
         with pytest.raises(subprocess.TimeoutExpired):  # still running: its beats resumed, nobody was named
-            proc.wait(timeout=3)
+            proc.wait(timeout=5)
     finally:
         proc.kill()
     said = proc.communicate()[0]
