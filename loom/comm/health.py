@@ -34,9 +34,10 @@ from loom.comm import preemption, ring
 from loom.errors import LoomError, RankFailureError
 
 PREFIX = "loom/health"
-# A thread that wakes this much later than it asked did not run (the process was stopped or
-# starved): that time is left out of the silences it measures, which were its own.
-STALL = 1.0
+# Silences are measured on a clock that stops while this process does not run (SIGSTOP, a paused
+# VM): a ticker that wakes over STALL seconds late counts all of its lateness as such a stop, so a
+# rank that comes back names neither its store nor its peers for its own silence.
+TICK, STALL = 0.1, 1.0
 FAULT_DUMP_ENV = "LOOM_FAULT_DUMPS"  # a folder, set by loom's launcher, which reads the dumps there
 
 
@@ -56,6 +57,7 @@ class HealthMonitor:
         self.host = spec.host
         self._store_timeout = timedelta(seconds=store_timeout)
         self._store = self._connect()
+        self._stopped_for, self._ticked = 0.0, time.monotonic()  # seconds this process did not run, and the last tick (``_tick``)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._listener: threading.Thread | None = None
@@ -97,7 +99,8 @@ class HealthMonitor:
         one process (``bench/health_scale.py``)."""
         me = {"host": self.host, "pid": os.getpid(), **member}
         self._store.set(self._key("member", self.spec.rank), json.dumps(me))
-        self._contact = time.monotonic()
+        self._contact = self._running()
+        threading.Thread(target=self._tick, name="loom-ticker", daemon=True).start()
         self._thread = threading.Thread(target=self._beat, name="loom-heartbeat", daemon=True)
         self._thread.start()
         threading.Thread(target=self._watch_contact, name="loom-watchdog", daemon=True).start()
@@ -144,7 +147,7 @@ class HealthMonitor:
         members: dict[int, dict] = {}  # rank -> host and pid, read once each
         finished: set[int] = set()  # ranks seen done: no longer watched
         answered = 0  # requests for this rank's record of collectives
-        main, still_since, checked = None, time.monotonic(), 0.0  # where the main thread is, since when
+        main, still_since, checked = None, self._running(), 0.0  # where the main thread is, since when
         while not self._stop.is_set():
             try:
                 if store is None:
@@ -152,7 +155,7 @@ class HealthMonitor:
                 store.add(key, 1)
                 answered = self._answer_record_requests(store, answered)
                 silent = self._silent_peers(store, heard, members, finished)
-                self._contact = now = time.monotonic()
+                self._contact = now = self._running()
                 frame = sys._current_frames().get(threading.main_thread().ident)
                 here = (id(frame), frame.f_lasti) if frame is not None else None
                 if here != main:
@@ -161,13 +164,10 @@ class HealthMonitor:
                     checked = now
                     self._check_for_hang(store)
             except Exception:  # unreachable: _watch_contact decides when that is fatal
-                silent = []
+                silent, store = [], None  # a client whose request timed out may be out of step: connect again
             if silent and not self._stop.is_set() and not self._failing:  # a failing rank says why itself
                 self._give_up("; ".join(silent))
-            asleep = time.monotonic()
-            if not self._stop.wait(self.interval) and (lost := time.monotonic() - asleep - self.interval) > STALL:
-                heard = {r: (beats, changed + lost) for r, (beats, changed) in heard.items()}  # not its peers' silence
-                still_since += lost  # nor its main thread's
+            self._stop.wait(self.interval)
 
     def _listen(self) -> None:
         """Wait for the alarm another rank raises (a peer it watches is gone, or the job hangs): this
@@ -209,13 +209,8 @@ class HealthMonitor:
 
     def _watch_contact(self) -> None:
         """A store call can block for good when this host is cut off: watch from another thread."""
-        woke = time.monotonic()
         while not self._stop.wait(self.interval):
-            now = time.monotonic()
-            if (lost := now - woke - self.interval) > STALL:  # this process did not run: the store was not what went quiet
-                self._contact += lost
-            woke = now
-            if now - self._contact > self.silence_limit:
+            if self._running() - self._contact > self.silence_limit:
                 where = f"{self.spec.master_addr}:{self.spec.master_port}"
                 self._give_up(
                     f"lost contact with the job's store at {where} for {self.silence_limit:g}s "
@@ -223,12 +218,28 @@ class HealthMonitor:
                     post=False,
                 )
 
+    def _tick(self) -> None:
+        """Count the time this process did not run: a wait that ends over STALL late."""
+        while not self._stop.wait(TICK):
+            now = time.monotonic()
+            if now - self._ticked > TICK + STALL:
+                self._stopped_for += now - self._ticked - TICK  # before the tick moves: a reader counts it twice, never not at all
+            self._ticked = now
+
+    def _running(self) -> float:
+        """Seconds on a clock that stands still while this process does not run; a stop the ticker has not
+        counted yet (it may wake after the thread that asks) counts too."""
+        now = time.monotonic()
+        late = now - self._ticked - TICK
+        return now - self._stopped_for - (late if late > STALL else 0.0)
+
     def _silent_peers(
         self, store: dist.TCPStore, heard: dict[int, tuple[int, float]], members: dict[int, dict], finished: set[int]
     ) -> list[str]:
         """The watched peers that are gone: a process that exited (seen at once: on this host by its
-        pid, on another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``."""
-        now, silent = time.monotonic(), []
+        pid, on another by its agent's notice); anywhere, one whose heartbeat stopped for ``silence_limit``
+        of this process's running time."""
+        now, silent = self._running(), []
         for r in ring.watched(store, self._namespace(), self.spec.rank, self.spec.world_size, finished):
             if r not in members:
                 if not store.check([self._key("member", r)]):
