@@ -4,6 +4,7 @@ import importlib.util
 import json
 import re
 import subprocess
+import time
 from collections import Counter
 from contextlib import contextmanager
 from typing import Iterator
@@ -57,6 +58,19 @@ def finish(job, timeout):
         pytest.fail(f"the job did not finish within {timeout}s:\n{err[-3000:]}")
     assert job.returncode == 0, err[-3000:]
     return err
+
+
+def kill_the_dying_group(job, out, seconds=240):
+    """Wait until the group that DIE_AT names stops in its step and writes its pid to OUT/dying, kill -9 it, and finish the
+    job within what is left of ``seconds``: its stderr."""
+    deadline = time.monotonic() + seconds
+    dying = out / "dying"
+    while not (dying.exists() and dying.read_text()):  # the pid, once written whole
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the group never reached the batch it dies in"
+        time.sleep(0.05)
+    subprocess.run(["kill", "-9", dying.read_text()], check=True)
+    return finish(job, max(deadline - time.monotonic(), 30))
 
 
 def read_steps(out):

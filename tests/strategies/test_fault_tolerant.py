@@ -13,8 +13,6 @@ it, group 0 would be stopped until group 1 dies, as a busy machine stops a heart
 
 import json
 import re
-import subprocess
-import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -25,7 +23,7 @@ import loom
 
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
-from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -111,14 +109,7 @@ def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
 def test_a_group_killed_mid_step_heals_from_a_live_group_and_no_sample_is_lost_or_doubled(tmp_path):
     die_at, hold_at = 3, 5
     job = start_job(tmp_path, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at), "LATE": "1"})
-    deadline = time.monotonic() + 240
-    dying = tmp_path / "dying"
-    while not (dying.exists() and dying.read_text()):  # the pid, once written whole
-        assert job.poll() is None, job.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "group 1 never reached the batch it dies in"
-        time.sleep(0.05)
-    subprocess.run(["kill", "-9", dying.read_text()], check=True)
-    err = finish(job, max(deadline - time.monotonic(), 30))
+    err = kill_the_dying_group(job, tmp_path)
 
     steps = read_steps(tmp_path)
     survivor = [s for s in steps if s["g"] == 0]
@@ -148,14 +139,7 @@ def test_sharded_groups_heal_shard_by_shard_from_a_live_group_and_equal_one_devi
     and heals it from the same process of group 0; the groups start unequal and end as one device."""
     die_at, hold_at = 3, 5
     job = start_job(tmp_path, "--groups", "2", "--nproc", "2", "--max-restarts", "1", env={"STRATEGY": "sharded", "DIE_AT": f"1:{die_at}", "HOLD_AT": str(hold_at)})
-    deadline = time.monotonic() + 240
-    dying = tmp_path / "dying"
-    while not (dying.exists() and dying.read_text()):
-        assert job.poll() is None, job.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "group 1 never reached the batch it dies in"
-        time.sleep(0.05)
-    subprocess.run(["kill", "-9", dying.read_text()], check=True)
-    err = finish(job, max(deadline - time.monotonic(), 30))
+    err = kill_the_dying_group(job, tmp_path)
 
     steps = read_steps(tmp_path)
     assert next(s for s in steps if s["g"] == 0 and s["batch"] == die_at)["groups"] == [0]  # redone without the dead group
