@@ -45,6 +45,13 @@ def batches(batch: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(torch.stack([x for x, _ in pairs[i : i + batch]]), torch.stack([y for _, y in pairs[i : i + batch]])) for i in range(0, len(pairs), batch)]
 
 
+def settle(device: torch.device) -> None:
+    """Start each timed step on an idle device, on both sides: a one-process job times no barrier,
+    whose NCCL all-reduce would cost more than a small model's step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def raw_pytorch(batch: int, steps: int, warmup: int) -> float:
     """Tokens/s of the loop a person writes by hand on one process (median step, as for the strategies)."""
     torch.set_num_threads(1)  # as loom gives each process under LOOM_THREADS=1
@@ -55,6 +62,7 @@ def raw_pytorch(batch: int, steps: int, warmup: int) -> float:
     times = []
     for i, (x, y) in enumerate(batches(batch, warmup + steps)):
         x, y = x.to(device), y.to(device)
+        settle(device)
         start = time.perf_counter()
         loss = next_byte_loss(model(x), y)
         loss.backward()
@@ -78,11 +86,12 @@ def worker(name: str, batch: int, steps: int, warmup: int, out: str) -> None:
     step = strategy.train_step(model, next_byte_loss, opt, max_grad_norm=1.0)
     loader = strategy.distribute(windows(batch, warmup + steps), batch_size=batch, shuffle=False)
     times = []
+    wait = strategy.barrier if strategy.num_replicas_in_sync > 1 else lambda: settle(strategy.device)
     for i, (x, y) in enumerate(loader):
-        strategy.barrier()
+        wait()
         start = time.perf_counter()
         float(step(x, y))
-        strategy.barrier()
+        wait()
         if i >= warmup:
             times.append(time.perf_counter() - start)
     if strategy.is_chief:

@@ -1,5 +1,7 @@
 """Train a small CNN on scikit-learn's handwritten digits with MirroredStrategy on 2 processes.
 
+On a machine with one GPU it runs one process on it (two processes cannot share a GPU).
+
     python examples/mirrored_digits.py            # what `make demo` runs
     loom run --nproc 4 examples/mirrored_digits.py
 
@@ -17,6 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import loom
+from loom.devices import cuda_count
 
 LOG_DIR = os.environ.get("LOOM_LOG_DIR", "runs/digits")
 
@@ -68,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    loom.launch(main, nproc=2)
+    loom.launch(main, nproc=min(2, cuda_count() or 2))
