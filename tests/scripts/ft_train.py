@@ -1,6 +1,7 @@
 """A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches,
 through ``train_step`` with a StepLR schedule (chainable: each learning rate is computed from the last) and a
 gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy.
+``ACCUMULATE=k``: ``train_step(accumulate=k)``, k micro-batches to a step.
 
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
 
@@ -139,7 +140,7 @@ def main(out: Path) -> None:
         refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
         (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
     sched = scheduler(opt)
-    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=MAX_NORM)
+    step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=MAX_NORM, accumulate=int(os.environ.get("ACCUMULATE", 1)))
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):

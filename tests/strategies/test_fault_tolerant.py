@@ -23,6 +23,7 @@ import loom
 
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
+from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
 from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
@@ -50,7 +51,8 @@ def test_groups_without_failure_equal_one_device(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_jobs_are_refused(tmp_path):
-    """`loom lighthouse` and one `loom run --group I` per group, each a process of its own, as on three hosts."""
+    """`loom lighthouse` and one `loom run --group I` per group, each a process of its own, as on three hosts;
+    each step in two micro-batches (``train_step(accumulate=2)``)."""
     with lighthouse() as address:
         apart = ("--lighthouse", address, "--groups", "2", "--nproc", "1")
         other = tmp_path / "other"  # the script's argument differs: another job
@@ -62,7 +64,7 @@ def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_
             assert re.search(rf"LaunchError: group {1 - g} runs another job than group {g} \(its script, arguments, --groups or --nproc differ: \w+ vs \w+\): start every group with the same `loom run` line", err), err[-3000:]
         assert not (tmp_path / "steps.jsonl").exists() and not (other / "steps.jsonl").exists()  # refused before any step
 
-        jobs = [start_job(tmp_path, *apart, "--group", str(g)) for g in (0, 1)]
+        jobs = [start_job(tmp_path, *apart, "--group", str(g), env={"ACCUMULATE": "2"}) for g in (0, 1)]  # two backward passes a step
         for job in jobs:
             finish(job, 200)
     steps = read_steps(tmp_path)
@@ -92,6 +94,51 @@ def test_a_parameter_no_group_computed_a_gradient_for_keeps_none():
     strategy._buckets = [[used, unused]]
     strategy._apply_sums([torch.arange(5.0)], present=torch.tensor([2.0, 0.0]))  # summed over the groups: 2 had one, none the other
     assert used.grad.tolist() == [0.0, 1.0] and unused.grad is None
+
+
+class _Sends:
+    """EarlySums' all-reduces, recorded: which bucket went when, and which were waited for."""
+
+    def __init__(self, buckets):
+        self.sent, self.waited = [], []
+        self.early = EarlySums(buckets, lambda bucket, weight: torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) * weight for p in bucket]), self.send)
+
+    def send(self, flat):
+        self.sent.append(flat.tolist())
+        return SimpleNamespace(wait=lambda: self.waited.append(flat.tolist()))
+
+
+def _backward(params, *order):
+    for i in order:
+        params[i].grad = torch.full((1,), float(i))
+
+
+def test_buckets_cross_the_groups_during_backward_in_one_order_whatever_backward_fills_first():
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    sends = _Sends([[params[3], params[2]], [params[1]], [params[0]]])  # the order backward fills them
+    sends.early.begin(0.5)
+    for i in (1, 3):  # bucket 1 is complete first, but bucket 0 must go before it in every group
+        _backward(params, i)
+        sends.early.grad_ready(params[i])
+    assert sends.sent == []
+    _backward(params, 2)
+    sends.early.grad_ready(params[2])
+    assert sends.sent == [[1.5, 1.0], [0.5]]  # both, in order, weighted
+    sent = sends.early.finish()  # parameter 0 got no gradient: its bucket goes at the sync, as zeros
+    assert [flat.tolist() for flat, _ in sent] == [[1.5, 1.0], [0.5], [0.0]] and sends.sent[-1] == [0.0]
+    sends.early.grad_ready(params[3])  # outside a step (after finish): nothing goes
+    assert len(sends.sent) == 3 and sends.early.finish() is None
+
+
+def test_a_second_backward_in_a_step_makes_it_sum_again_after_waiting_for_what_it_sent():
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
+    sends = _Sends([[params[1]], [params[0]]])
+    sends.early.begin(1.0)
+    for i in (1, 0, 1):  # the second loss's backward reaches a gradient that went already
+        _backward(params, i)
+        sends.early.grad_ready(params[i])
+    assert sends.early.finish() is None  # the strategy then sums every bucket after backward
+    assert sends.waited == sends.sent == [[1.0], [0.0]]  # but first ends the all-reduces every group started
 
 
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():

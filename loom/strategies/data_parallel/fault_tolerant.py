@@ -41,9 +41,10 @@ import logging
 import os
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -57,13 +58,12 @@ from loom.errors import LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
 from loom.strategies.data_parallel.fault_tolerant_history import History
-from loom.strategies.data_parallel.mirrored import MirroredStrategy
+from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums
+from loom.strategies.data_parallel.mirrored import MirroredStrategy, auto_bucket_cap_mb
+from loom.strategies.data_parallel.sync_batchnorm import refuse_torch_sync_batchnorm
 from loom.strategies.optimizer import StrategyOptimizer
 from loom.strategies.precision import canonical
 from loom.strategies.step import LossFn, TrainStep
-
-BUCKET_BYTES = 25 * 2**20  # gradients cross groups in all-reduces of at most this size
-
 
 @dataclass(frozen=True)
 class Membership:
@@ -188,6 +188,11 @@ class _AcrossGroups:
         module, inner = unwrap(wrapped), opt.optimizer
         self._optimizer = inner
         self._buckets = _buckets([p for p in module.parameters() if p.requires_grad])
+        if self.group_size == 1 and not self.shards_gradients:  # with N processes a gradient is final only after DDP's own all-reduce
+            self._early = EarlySums(self._buckets, self._flatten, lambda flat: self._manager.allreduce(flat, reduce_op=ReduceOp.SUM))
+            for bucket in self._buckets:
+                for p in bucket:
+                    p.register_post_accumulate_grad_hook(self._grad_ready)
 
         def state() -> dict[str, Any]:
             schedulers = [s.state_dict() for s in self._schedulers]
@@ -309,6 +314,8 @@ class _AcrossGroups:
                 self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
             self.membership = Membership(batch, members, count, rank, quorum_id, start, stop)
             self._in_step = True
+            if self._early is not None:
+                self._early.begin(self.membership.samples / self._global_batch)
             return batch
 
     def _process_slice(self) -> tuple[int, int]:
@@ -343,11 +350,17 @@ class _AcrossGroups:
             )
         self._in_step = False
         self._synced = True
-        weight = self.membership.samples / self._global_batch
-        flats = [self._flatten(bucket).mul_(weight) for bucket in self._buckets]
         history = self._history.slots(self.group, self.groups)
         present = torch.tensor([float(p.grad is not None) for bucket in self._buckets for p in bucket])
-        self._sum_across_groups([history, present, *flats])
+        sent = self._early.finish() if self._early is not None else None
+        if sent is None:
+            weight = self.membership.samples / self._global_batch
+            flats = [self._flatten(bucket, weight) for bucket in self._buckets]
+            self._sum_across_groups([*flats, history, present])
+        else:  # the buckets went during backward; the history and the mask follow them
+            flats = [flat for flat, _ in sent]
+            for work in [work for _, work in sent] + [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in (history, present)]:
+                work.wait()
         diverged = History.diverged(history)
         if diverged:  # a split quorum's branches met: nobody applies this step, and the other branch leaves
             self._manager.report_error(RuntimeError(f"group(s) {diverged} trained another branch of the job"))
@@ -362,6 +375,21 @@ class _AcrossGroups:
             self._history.advance(self.membership.quorum_id)
             self._apply_sums(flats, present)
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """A gradient that backward has finished: its bucket may cross the groups while backward goes on."""
+        if self._sends_early and self.sync_gradients:
+            self._early.grad_ready(param)
+
+    @contextmanager
+    def _skip_gradient_sync(self) -> Iterator[None]:
+        """train_step's micro-batches before the last: their gradients are not final, so none is sent early."""
+        self._sends_early = False
+        try:
+            with super()._skip_gradient_sync():
+                yield
+        finally:
+            self._sends_early = True
 
     def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
         """Sum each bucket over the groups, in place: process r of each group sums the r-th of N parts
@@ -386,7 +414,7 @@ class _AcrossGroups:
         """Take part in a step without data while healing: add zeros, take the live state, apply the same update."""
         flats = [torch.zeros(sum(self._local(p).numel() for p in bucket), dtype=bucket[0].dtype, device=self._local(bucket[0]).device) for bucket in self._buckets]
         present = torch.zeros(sum(len(bucket) for bucket in self._buckets))
-        self._sum_across_groups([self._history.slots(self.group, self.groups, healing=True), present, *flats])
+        self._sum_across_groups([*flats, self._history.slots(self.group, self.groups, healing=True), present])  # the live groups' order
         self._heal_applied = self._manager.should_commit()  # loads the live group's state (and history) before deciding
         if self._heal_applied:
             self._history.advance(ft_quorum_id(self._manager))
@@ -463,6 +491,8 @@ class _AcrossGroups:
     _synced = False  # clipping summed this step's gradients across the groups already
     _clip: tuple[float, float] | None = None  # the norm (and its type) the steps clip to, once a step has clipped
     shards_gradients = False  # whether process r holds only the r-th shard of each gradient (FSDP2)
+    _early: EarlySums | None = None  # the buckets that cross the groups during backward (one process per group)
+    _sends_early = True  # False in train_step's micro-batches before the last
 
     # ---- process r's part of a tensor: all of it here; FaultTolerantShardedStrategy's: its DTensor shard ----
     @staticmethod
@@ -480,18 +510,33 @@ class _AcrossGroups:
         """How a tensor of which ``_local`` gives a part is laid out: what ``_shard_like`` needs to rebuild it."""
         return None
 
-    def _flatten(self, bucket: list[nn.Parameter]) -> torch.Tensor:
-        return torch.cat([self._local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+    def _flatten(self, bucket: list[nn.Parameter], weight: float) -> torch.Tensor:
+        """The bucket's gradients times ``weight``, in one flat tensor written in one pass (zeros for a missing one)."""
+        flat = self._local(bucket[0].detach()).new_empty(sum(self._local(p.detach()).numel() for p in bucket))
+        for p, part in zip(bucket, self._parts(flat, bucket)):
+            if p.grad is None:
+                part.zero_()
+            else:
+                torch.mul(self._local(p.grad), weight, out=part)
+        return flat
 
     def _unflatten(self, flat: torch.Tensor, bucket: list[nn.Parameter]) -> None:
-        offset = 0
-        for p in bucket:
-            local = self._local(p.detach())
-            part = flat[offset : offset + local.numel()].view_as(local)
-            if p.grad is None:
+        """The summed bucket into the gradients: as views of it where the gradient is whole (no copy);
+        into FSDP2's own shards where it is sharded."""
+        for p, part in zip(bucket, self._parts(flat, bucket)):
+            if not self.shards_gradients:
+                p.grad = part
+            elif p.grad is None:
                 p.grad = self._shard_like(p, part.clone())
             else:
                 self._local(p.grad).copy_(part)
+
+    def _parts(self, flat: torch.Tensor, bucket: list[nn.Parameter]) -> Iterable[torch.Tensor]:
+        """Each parameter's span of a bucket's flat tensor, shaped as its part on this process."""
+        offset = 0
+        for p in bucket:
+            local = self._local(p.detach())
+            yield flat[offset : offset + local.numel()].view_as(local)
             offset += local.numel()
 
     def _apply_sums(self, flats: list[torch.Tensor], present: torch.Tensor) -> None:
@@ -532,6 +577,14 @@ class FaultTolerantMirroredStrategy(_AcrossGroups, MirroredStrategy):
         **options: MirroredStrategy's DDP options, for the processes of a group.
     """
 
+    def _wrap_model(self, module: nn.Module) -> nn.Module:
+        """DDP within a group of several processes; a group of one has nothing to reduce within it, and
+        DDP would only copy each gradient into its buckets again (the groups' sum starts in backward instead)."""
+        if self.group_size > 1:
+            return super()._wrap_model(module)
+        refuse_torch_sync_batchnorm(module, self.device, type(self).__name__)
+        return module
+
 
 class _CommittingOptimizer(StrategyOptimizer):
     """Steps only when the step commits (every group's gradients arrived); otherwise the batch is trained again."""
@@ -546,13 +599,15 @@ class _CommittingOptimizer(StrategyOptimizer):
         return self.precision.step(self.optimizer, closure)
 
 
-def _buckets(params: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters in order, cut where a bucket would pass BUCKET_BYTES: the same on every group, restarted or not."""
+def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """The parameters in the order backward fills their gradients (the last layers' first), cut into
+    buckets of Mirrored's size (about AUTO_BUCKETS of them): the same on every group, restarted or not."""
+    cap = auto_bucket_cap_mb([p.shape for p in params]) * 2**20
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0
-    for p in params:
+    for p in reversed(params):
         nbytes = p.numel() * p.element_size()
-        if buckets[-1] and (size + nbytes > BUCKET_BYTES or p.dtype != buckets[-1][0].dtype):
+        if buckets[-1] and (size + nbytes > cap or p.dtype != buckets[-1][0].dtype):
             buckets.append([])
             size = 0
         buckets[-1].append(p)
