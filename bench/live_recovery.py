@@ -1,9 +1,9 @@
 """Replica groups (``loom run --groups``): what they cost with no failure, and how a kill -9 is recovered from.
 
 Overhead: W1 (MLP 784-2048x3-10, global batch 512, SGD with momentum) trained by the same script
-under ``loom run --groups 2 --nproc 1`` (FaultTolerantMirroredStrategy) and ``loom run --nproc 2``
-(MirroredStrategy): two processes either way, jobs interleaved (Mirrored, groups, Mirrored, ...),
-median step time of each job after its warm-up steps.
+under ``loom run --groups 2 --nproc N`` (FaultTolerantMirroredStrategy) and ``loom run --nproc 2N``
+(MirroredStrategy), for N = 1 and 2: the same processes either way, jobs interleaved (Mirrored,
+groups, Mirrored, ...), median step time of each job after its warm-up steps.
 
 Recovery: the same job with ``--max-restarts 1``; once group 1 has trained a few steps it is
 killed with SIGKILL, and the groups' own events give each phase, in seconds after the kill:
@@ -155,10 +155,11 @@ def median_step(out: Path, warmup: int = 3) -> float:
     return statistics.median(gaps)
 
 
-def overhead(rounds: int, steps: int) -> dict:
-    seconds: dict[str, list[float]] = {"MirroredStrategy (--nproc 2)": [], "FaultTolerantMirrored (--groups 2 --nproc 1)": []}
+def overhead(rounds: int, steps: int, nproc: int) -> dict:
+    """Groups of ``nproc`` processes against Mirrored on as many processes."""
+    seconds: dict[str, list[float]] = {f"MirroredStrategy (--nproc {2 * nproc})": [], f"FaultTolerantMirrored (--groups 2 --nproc {nproc})": []}
     for _ in range(rounds):
-        for name, flags in zip(seconds, (["--nproc", "2"], ["--groups", "2", "--nproc", "1"])):
+        for name, flags in zip(seconds, (["--nproc", str(2 * nproc)], ["--groups", "2", "--nproc", str(nproc)])):
             out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
             _finish(_job(out, steps, *flags))
             seconds[name].append(median_step(out))
@@ -314,11 +315,11 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    names = list(results["overhead"]["median_step_s"])
-    left.bar(range(len(names)), [statistics.median(v) * 1e3 for v in results["overhead"]["median_step_s"].values()], color=["#888", "#c44"])
-    left.set_xticks(range(len(names)), [n.replace(" (", "\n(") for n in names], fontsize=8)
+    steps = {name: statistics.median(v) for pair in results["overhead"].values() for name, v in pair["median_step_s"].items()}
+    left.bar(range(len(steps)), [v * 1e3 for v in steps.values()], color=["#888", "#c44"] * len(results["overhead"]))
+    left.set_xticks(range(len(steps)), [n.replace(" (", "\n(") for n in steps], fontsize=7)
     left.set_ylabel("median step (ms)")
-    left.set_title(f"W1, 2 processes: groups cost {results['overhead']['overhead']:+.1%}")
+    left.set_title("W1: groups cost " + ", ".join(f"{v['overhead']:+.1%} ({k})" for k, v in results["overhead"].items()), fontsize=9)
     phases_ = {k: v for k, v in results["recovery"].items() if k not in ("launcher_lines", "heal_seconds") and v is not None}
     right.barh(range(len(phases_)), list(phases_.values()), color="#48c")
     right.set_yticks(range(len(phases_)), [k.replace("_", " ") for k in phases_], fontsize=8)
@@ -354,7 +355,7 @@ def main() -> None:
         print(json.dumps(summary | {"samples": results["chaos"]["chaos"]["samples"]}, indent=2))
         print(f"wrote {path} and {RESULTS / 'live_recovery_chaos.png'}")
         return None
-    results["overhead"] = overhead(args.rounds, args.steps)
+    results["overhead"] = {f"{2 * n} processes": overhead(args.rounds, args.steps, n) for n in (1, 2)}
     print(json.dumps({"overhead": results["overhead"]}, indent=2), flush=True)
     results["recovery"] = recovery(steps=HOLD + 10)
     path = save("live_recovery", results)

@@ -394,17 +394,18 @@ class _AcrossGroups:
     def _sum_across_groups(self, flats: list[torch.Tensor]) -> None:
         """Sum each bucket over the groups, in place: process r of each group sums the r-th of N parts
         with process r of the others (torchft's managed all-reduce), then the group gathers the parts."""
-        n, rank = self.group_size, self.cluster.rank
-        if n == 1 or self.shards_gradients:
+        n, rank = self._split, self.cluster.rank
+        if n == 1:
             return self._managed_sum(flats)
-        padded = [F.pad(flat, (0, -flat.numel() % n)) for flat in flats]
-        mine = [p.view(n, -1)[rank].clone() for p in padded]
-        self._managed_sum(mine)
+        padded = [flat if flat.numel() % n == 0 else F.pad(flat, (0, -flat.numel() % n)) for flat in flats]  # buckets are cut to fit
+        mine = [p.view(n, -1)[rank] for p in padded]
+        self._managed_sum(mine)  # in place
         with self._guard():
             for p, part in zip(padded, mine):
-                dist.all_gather(list(p.view(n, -1).unbind(0)), part)
+                dist.all_gather(list(p.view(n, -1).unbind(0)), part.clone())
         for flat, summed in zip(flats, padded):
-            flat.copy_(summed[: flat.numel()])
+            if summed is not flat:
+                flat.copy_(summed[: flat.numel()])
 
     def _managed_sum(self, tensors: list[torch.Tensor]) -> None:
         for work in [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in tensors]:
@@ -510,9 +511,17 @@ class _AcrossGroups:
         """How a tensor of which ``_local`` gives a part is laid out: what ``_shard_like`` needs to rebuild it."""
         return None
 
+    @property
+    def _split(self) -> int:
+        """The parts a bucket is cut into to cross the groups, one per process of the group (1: it crosses whole)."""
+        return 1 if self.shards_gradients else self.group_size
+
     def _flatten(self, bucket: list[nn.Parameter], weight: float) -> torch.Tensor:
-        """The bucket's gradients times ``weight``, in one flat tensor written in one pass (zeros for a missing one)."""
-        flat = self._local(bucket[0].detach()).new_empty(sum(self._local(p.detach()).numel() for p in bucket))
+        """The bucket's gradients times ``weight``, in one flat tensor written in one pass (zeros for a missing one),
+        padded with zeros to cut into ``_split`` equal parts."""
+        size = sum(self._local(p.detach()).numel() for p in bucket)
+        flat = self._local(bucket[0].detach()).new_empty(size + -size % self._split)
+        flat[size:].zero_()
         for p, part in zip(bucket, self._parts(flat, bucket)):
             if p.grad is None:
                 part.zero_()
