@@ -23,6 +23,7 @@ GROUPS_ENV = "NUM_REPLICA_GROUPS"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 EVENTS_ENV = "LOOM_FT_EVENTS"
 JOB_ENV = "LOOM_FT_JOB"  # a digest of the script, its arguments, --groups and --nproc: every group must have the same
+ADDRESS_ENV = "LOOM_GROUP_ADDRESS"  # where the other groups reach this host (default: its address towards the lighthouse)
 
 
 def in_groups() -> bool:

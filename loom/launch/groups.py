@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Any
 
-from loom.comm.groups import EVENTS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventReader
+from loom.comm.groups import ADDRESS_ENV, EVENTS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventReader
 from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError
 from loom.fast import allocator
 from loom.launch.parent import die_with_parent
-from loom.launch.torchrun import LaunchOptions, run_job
+from loom.launch.torchrun import LaunchOptions, interface_towards, run_job
 from loom.launch.zygote import ForkedWorker, Forker
 
 # A group whose heartbeat the lighthouse has not heard for this long is out of the next quorum:
@@ -82,19 +82,21 @@ def job_digest(entry: list[str], groups: int, nproc: int) -> str:
     return digest.hexdigest()[:12]
 
 
-def check_lighthouse(address: str) -> str:
-    """``HOST:PORT`` of a lighthouse started elsewhere, as torchft takes it; one line when it cannot be reached."""
+def check_lighthouse(address: str) -> tuple[str, str]:
+    """``HOST:PORT`` of a lighthouse started elsewhere, as torchft takes it, and this host's address towards it
+    (where the other groups' hosts can reach this one); one line when it cannot be reached."""
     host, _, port = address.removeprefix("http://").rpartition(":")
     if not host or not port.isdigit():
         raise LaunchError(f"--lighthouse takes HOST:PORT (e.g. node0:29510), not {address!r}")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5) as connection:
+            here = connection.getsockname()[0]
     except OSError as error:
         raise LaunchError(
             f"the lighthouse at {host}:{port} cannot be reached within 5s ({error.strerror or error}): start it there with "
             "`loom lighthouse --port PORT`, or leave --lighthouse out to start one here"
         ) from None
-    return f"http://{host}:{port}"
+    return f"http://{host}:{port}", here
 
 
 def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: str | None = None, group: int | None = None) -> int:
@@ -116,14 +118,18 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     forker = Forker() if not cuda_count() else None
     if forker is not None:
         forker.start_early({**os.environ, **started})
-    server = None
+    server, address = None, {}
     if lighthouse is None:
         server = start_lighthouse()
         lighthouse = server.address()
-    else:
-        lighthouse = check_lighthouse(lighthouse)
+    else:  # the other groups are on other hosts: tell them an address of this one they can reach, not its name
+        lighthouse, reachable = check_lighthouse(lighthouse)
+        address = {ADDRESS_ENV: os.environ.get(ADDRESS_ENV) or reachable}
+        interface = os.environ.get("GLOO_SOCKET_IFNAME") or interface_towards(reachable)
+        if interface:  # gloo listens where this host's name resolves to, loopback where it does not
+            address["GLOO_SOCKET_IFNAME"] = interface
     events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
-    env = {**os.environ, **started, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
+    env = {**os.environ, **started, **address, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
     running = {g: _start_group(g, entry, opts, nproc, threads, env, groups, forker) for g in here}
     failed: dict[int, int] = {}
     stopped: list[subprocess.Popen] = []

@@ -22,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from loom.cluster import NodeSpec, resolve_node
 from loom.compat import run_torchrun, torchrun_accepts
 from loom.checkpoint.arrival import resolve_wait
+from loom.comm.groups import ADDRESS_ENV
 from loom.comm.health import resolve_hang_check, resolve_silence_limit
 from loom.comm.process_group import TIMEOUT_ENV, resolve_timeout
 from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
@@ -93,6 +94,15 @@ def _count(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
+def _name_resolves() -> bool:
+    """Whether this host's name resolves to an address (in a container or namespace it may not, even here)."""
+    try:
+        socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return False
+    return True
+
+
 def _is_local(host: str) -> bool:
     if host in ("localhost", "0.0.0.0", "::1") or host.startswith("127."):
         return True
@@ -127,6 +137,9 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
         argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE)]
     if node.nnodes == 1 and node.master_port is None:
         argv += ["--standalone"]
+    local = os.environ.get(ADDRESS_ENV) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
+    if local and torchrun_accepts("--local-addr"):  # the workers' MASTER_ADDR: else this host's name, which may not resolve
+        argv += ["--local-addr", local]
     else:
         if node.node_rank == 0 and _is_local(node.master_addr):
             check_port_free(node.master_addr, node.master_port)

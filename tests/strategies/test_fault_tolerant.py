@@ -11,8 +11,12 @@ Group 1 starts late (``LATE``): the job's start waits for it, and if group 0 had
 it, group 0 would be stopped until group 1 dies, as a busy machine stops a heartbeat.
 """
 
+import contextlib
 import json
+import os
 import re
+import signal
+import subprocess
 from collections import Counter
 from types import SimpleNamespace
 
@@ -24,6 +28,8 @@ import loom
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
 from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
+from tests.netns import TAG, namespace, network, on_host, sh, why_no_namespaces  # noqa: E402
 from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
@@ -150,6 +156,38 @@ def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
     for not_stepped in (SimpleNamespace(_in_step=True, _synced=False), SimpleNamespace(_in_step=False, _synced=True)):  # or clipped, not stepped
         with pytest.raises(RuntimeError, match=refusal):
             _AcrossGroups._next_batch(not_stepped, end=8)
+
+
+@pytest.mark.timeout(240)
+def test_groups_on_hosts_whose_names_resolve_nowhere_train_together_and_equal_one_device(tmp_path):
+    """A lighthouse host and a host per group (network namespaces on a bridge, links shaped to 1 Gbit/s), each named
+    what no host resolves, its own included: each group gives the others its address towards the lighthouse, and
+    each host's gloo listens on the link that reaches it, not on loopback."""
+    reason = why_no_namespaces()
+    if reason:
+        pytest.skip(reason)
+    hosts = {"l": "10.81.0.1", "a": "10.81.0.2", "b": "10.81.0.3"}
+    started = []
+    try:
+        with network(hosts, prefix="t"):
+            for host in "ab":
+                sh("ip", "netns", "exec", namespace(host, "t"), "tc", "qdisc", "add", "dev", f"t{host}i{TAG}", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+            run = lambda host, *args, **env: started.append(subprocess.Popen(on_host(host, [*LOOM, *args], prefix="t"), cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", **env}),  # noqa: E731
+                                                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)) or started[-1]  # fmt: skip
+            assert "listening on" in run("l", "lighthouse", "--port", "29611").stdout.readline()  # its first line: it listens
+            jobs = [run(host, "run", "--lighthouse", f"{hosts['l']}:29611", "--groups", "2", "--group", str(g), "--nproc", "1", str(SCRIPTS / "ft_train.py"), str(tmp_path)) for g, host in enumerate("ab")]
+            for job in jobs:
+                finish(job, 180)
+    finally:
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    steps = read_steps(tmp_path)
+    assert {s["replicas"] for s in steps} == {2} and {tuple(s["groups"]) for s in steps} == {(0, 1)}
+    assert all(c == Counter(range(96)) for c in samples_per_epoch(steps).values())
+    weights, _ = one_device()
+    for g in (0, 1):
+        assert_close(torch.load(tmp_path / f"final-{g}-0.pt"), weights)
 
 
 @pytest.mark.timeout(300)

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ReduceOp
 
-from loom.comm.groups import GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.comm.groups import ADDRESS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
 from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
 from loom.errors import LaunchError
 from loom.strategies.base import unwrap
@@ -134,6 +134,8 @@ class _AcrossGroups:
         logging.getLogger("torchft.manager").setLevel(logging.ERROR)  # a warning about NCCL's flight recorder at every quorum
         warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch, reading a heal's bytes
         timeout = timedelta(seconds=self.timeout)
+        address = os.environ.get(ADDRESS_ENV)  # set when the groups are on several hosts: a host's name may not resolve on the others
+        reach = {"hostname": address, "store_addr": address, "checkpoint_transport": _transport_at(address, timeout)} if address else {}
 
         def make() -> Any:
             return Manager(
@@ -150,6 +152,7 @@ class _AcrossGroups:
                 world_size=self.group_size,
                 replica_id=f"job{self._job}_group_{self.group}",  # torchft reads the group from the trailing digits
                 lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
+                **reach,
             )
 
         if self.cluster.rank == 0:
@@ -606,6 +609,17 @@ class _CommittingOptimizer(StrategyOptimizer):
         if not self._step_acts() or not self._commit():
             return None
         return self.precision.step(self.optimizer, closure)
+
+
+def _transport_at(address: str, timeout: timedelta) -> Any:
+    """torchft's HTTP transport of the heals, giving the other groups this host's ``address`` where torchft gives its name."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Transport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Transport(timeout=timeout, num_chunks=0)
 
 
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
