@@ -22,11 +22,17 @@ to join, and it heals in the next step. A failure-free run of the same job (same
 same batches) gives the reference loss curve. Each global batch's loss is the sample-weighted mean
 of the groups' losses on their slices; every sample id the groups trained is counted.
 
+Across hosts (``--hosts``, root): the lighthouse on one network-namespace host and each group on one of
+two others, the groups' links shaped to 1 Gbit/s; the overhead against MultiWorkerMirrored on the same
+two hosts, the quorum's cost per step (the wait for a batch, which under --groups holds the step's
+quorum, against MultiWorkerMirrored's), and the recovery after a kill -9 of group 1.
+
     python bench/live_recovery.py [--rounds 2] [--steps 30]
     python bench/live_recovery.py --chaos 5
+    python bench/live_recovery.py --hosts [--rounds 2] [--steps 30]
 
-Writes bench/results/live_recovery.json and .png (chaos: live_recovery_chaos.json and .png). Run as
-a job's script (by the above), it trains.
+Writes bench/results/live_recovery.json and .png (chaos: live_recovery_chaos.json and .png; hosts:
+live_recovery_hosts.json and .png). Run as a job's script (by the above), it trains.
 """
 
 from __future__ import annotations
@@ -36,18 +42,22 @@ import time
 STARTED = time.time()  # before torch is imported: a restarted process's start
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_AFTER, HOLD = 5, 12  # group 1 is killed once it has committed this many batches; group 0 holds after batch HOLD
+HOSTS, LIGHTHOUSE_PORT, RATE = {"l": "10.82.0.1", "a": "10.82.0.2", "b": "10.82.0.3"}, 29620, "1gbit"  # --hosts: the lighthouse's, one a group
 CHAOS_GROUPS, CHAOS_KILLS, CHAOS_BATCH = 3, 10, 96
 
 
@@ -70,16 +80,17 @@ def train(out: Path, steps: int) -> None:
     log = open(out / f"steps-{group}.jsonl", "a") if record else None
     if log:
         log.write(json.dumps({"started": STARTED, "pid": os.getpid()}) + "\n")
-    done = 0
+    done, asked = 0, time.time()
     while done < steps:
         for x, y in loader:
+            fetch = time.time() - asked  # the batch's wait: under --groups, the step's quorum with it
             strategy.backward(F.cross_entropy(model(x), y))
             opt.step()
             opt.zero_grad()
             m = getattr(strategy, "membership", None)
             batch = m.batch if m else done
             if log:
-                log.write(json.dumps({"t": time.time(), "batch": batch, "committed": getattr(strategy, "committed", True)}) + "\n")
+                log.write(json.dumps({"t": time.time(), "fetch": fetch, "batch": batch, "committed": getattr(strategy, "committed", True)}) + "\n")
                 log.flush()
             if m and batch == HOLD and group == 0 and os.environ.get("HOLD_FOR_REJOIN"):
                 while not _asked_to_join(1):
@@ -87,6 +98,7 @@ def train(out: Path, steps: int) -> None:
             done = batch + 1
             if done >= steps:
                 break
+            asked = time.time()
 
 
 def train_chaos(out: Path, steps: int, k: int) -> None:
@@ -167,19 +179,93 @@ def overhead(rounds: int, steps: int, nproc: int) -> dict:
     return {"median_step_s": seconds, "overhead": groups / mirrored - 1}
 
 
+def median_fetch(out: Path, warmup: int = 3) -> float:
+    """The median wait for a batch: under --groups it holds the step's quorum."""
+    return statistics.median([s["fetch"] for s in _lines(out / "steps-0.jsonl") if "fetch" in s][warmup:])
+
+
 def recovery(steps: int) -> dict:
     out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
     job = _job(out, steps, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env={"HOLD_FOR_REJOIN": "1"})
+    killed = _kill_group_1(out, [job])
+    err = _finish(job)
+    return phases(out, killed) | {"launcher_lines": _group_lines(err)}
+
+
+def _kill_group_1(out: Path, jobs: list[subprocess.Popen]) -> float:
+    """Once group 1 has committed KILL_AFTER steps, kill -9 its process; when it was killed."""
     deadline = time.monotonic() + 600
     while len([s for s in _lines(out / "steps-1.jsonl") if s.get("committed")]) < KILL_AFTER:
-        if job.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"group 1 never trained {KILL_AFTER} steps:\n{job.communicate()[1][-3000:]}")
+        if any(job.poll() is not None for job in jobs) or time.monotonic() > deadline:
+            for job in jobs:
+                job.kill()
+            raise SystemExit(f"group 1 never trained {KILL_AFTER} steps:\n" + "\n".join(job.communicate()[1][-3000:] for job in jobs))
         time.sleep(0.02)
-    pid = _lines(out / "steps-1.jsonl")[0]["pid"]
     killed = time.time()
-    os.kill(pid, 9)
-    err = _finish(job)
-    return phases(out, killed) | {"launcher_lines": [line for line in err.splitlines() if line.startswith("loom: ") and "group" in line]}
+    os.kill(_lines(out / "steps-1.jsonl")[0]["pid"], 9)
+    return killed
+
+
+def _group_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("loom: ") and "group" in line]
+
+
+def across_hosts(rounds: int, steps: int) -> dict:
+    """The overhead and a recovery again with each group on a host of its own and the lighthouse on a third (network
+    namespaces on a bridge, the groups' links shaped to 1 Gbit/s), against MultiWorkerMirrored on the same two hosts."""
+    sys.path.insert(0, str(ROOT))
+    from tests.netns import TAG, namespace, network, on_host, sh, why_no_namespaces
+
+    reason = why_no_namespaces()
+    if reason:
+        raise SystemExit(f"--hosts needs network namespaces: {reason}")
+    started: list[subprocess.Popen] = []
+
+    def on(host: str, out: Path, command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        started.append(subprocess.Popen(
+            on_host(host, [sys.executable, "-m", "loom.launch.cli", *command], prefix="r"), cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), "LOOM_FT_EVENTS": str(out / "events"), **(env or {})},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        ))  # fmt: skip
+        return started[-1]
+
+    def train_on_hosts(out: Path, steps: int, flags: Callable[[int], list[str]], env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+        return [on(host, out, ["run", *flags(i), "--nproc", "1", __file__, "--train", str(out), "--steps", str(steps)], env) for i, host in enumerate("ab")]
+
+    def fresh() -> Path:
+        out = Path(tempfile.mkdtemp(prefix="live-recovery-hosts-"))
+        (out / "events").mkdir()
+        return out
+
+    lighthouse = f"{HOSTS['l']}:{LIGHTHOUSE_PORT}"
+    in_groups = lambda g: ["--lighthouse", lighthouse, "--groups", "2", "--group", str(g)]  # noqa: E731
+    try:
+        with network(HOSTS, prefix="r"):
+            for host in "ab":
+                sh("ip", "netns", "exec", namespace(host, "r"), "tc", "qdisc", "add", "dev", f"r{host}i{TAG}", "root", "tbf", "rate", RATE, "burst", "256kb", "latency", "50ms")
+            if "listening on" not in on("l", fresh(), ["lighthouse", "--port", str(LIGHTHOUSE_PORT)]).stdout.readline():
+                raise SystemExit("the lighthouse did not start")
+            seconds: dict[str, list[float]] = {"MultiWorkerMirrored (2 hosts)": [], "FaultTolerantMirrored (--groups 2, a host each)": []}
+            fetch: dict[str, list[float]] = {name: [] for name in seconds}
+            for r in range(rounds):
+                for name, flags in zip(seconds, (lambda i: ["--nnodes", "2", "--node-rank", str(i), "--master", f"{HOSTS['a']}:{29621 + r}"], in_groups)):
+                    out = fresh()
+                    for job in train_on_hosts(out, steps, flags):
+                        _finish(job)
+                    seconds[name].append(median_step(out))
+                    fetch[name].append(median_fetch(out))
+            mirrored, groups = (statistics.median(v) for v in seconds.values())
+            waited = [statistics.median(v) for v in fetch.values()]
+            overhead = {"median_step_s": seconds, "overhead": groups / mirrored - 1, "median_batch_wait_s": fetch, "quorum_per_step_s": waited[1] - waited[0]}
+            out = fresh()
+            jobs = train_on_hosts(out, HOLD + 10, lambda g: [*in_groups(g), "--max-restarts", "1"], env={"HOLD_FOR_REJOIN": "1"})
+            killed = _kill_group_1(out, jobs)
+            err = [_finish(job) for job in jobs]
+            return {"overhead": {f"2 hosts, {RATE}": overhead}, "recovery": phases(out, killed) | {"launcher_lines": _group_lines(err[0] + err[1])}}
+    finally:
+        for proc in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
 
 def phases(out: Path, killed: float) -> dict:
@@ -335,6 +421,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="jobs of each kind, interleaved")
     parser.add_argument("--steps", type=int, default=30, help="steps per overhead job")
     parser.add_argument("--chaos", type=int, metavar="K", help="instead: kill a random group every K steps, 10 times, against a failure-free run")
+    parser.add_argument("--hosts", action="store_true", help=f"instead: each group on a network-namespace host of its own, links at {RATE} (needs root)")
     parser.add_argument("--train", help=argparse.SUPPRESS)
     parser.add_argument("--train-chaos", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -354,6 +441,13 @@ def main() -> None:
         summary = {k: v for k, v in results["chaos"].items() if k not in ("failure_free", "chaos")}
         print(json.dumps(summary | {"samples": results["chaos"]["chaos"]["samples"]}, indent=2))
         print(f"wrote {path} and {RESULTS / 'live_recovery_chaos.png'}")
+        return None
+    if args.hosts:
+        results |= across_hosts(args.rounds, args.steps)
+        path = save("live_recovery_hosts", results)
+        plot(results, RESULTS / "live_recovery_hosts.png")
+        print(json.dumps({k: results[k] for k in ("overhead", "recovery")}, indent=2))
+        print(f"wrote {path} and {RESULTS / 'live_recovery_hosts.png'}")
         return None
     results["overhead"] = {f"{2 * n} processes": overhead(args.rounds, args.steps, n) for n in (1, 2)}
     print(json.dumps({"overhead": results["overhead"]}, indent=2), flush=True)

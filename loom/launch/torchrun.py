@@ -137,9 +137,6 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
         argv += ["--shutdown-timeout", str(SHUTDOWN_GRACE)]
     if node.nnodes == 1 and node.master_port is None:
         argv += ["--standalone"]
-    local = os.environ.get(ADDRESS_ENV) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
-    if local and torchrun_accepts("--local-addr"):  # the workers' MASTER_ADDR: else this host's name, which may not resolve
-        argv += ["--local-addr", local]
     else:
         if node.node_rank == 0 and _is_local(node.master_addr):
             check_port_free(node.master_addr, node.master_port)
@@ -149,6 +146,9 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
             "--master-addr", node.master_addr,
             "--master-port", str(node.master_port),
         ]  # fmt: skip
+    local = os.environ.get(ADDRESS_ENV) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
+    if local and torchrun_accepts("--local-addr"):  # the workers' MASTER_ADDR: else this host's name, which may not resolve
+        argv += ["--local-addr", local]
     return argv + ["-m", WORKER] + entry
 
 
