@@ -1,6 +1,6 @@
 """Replica groups (``loom run --groups``): what they cost with no failure, and how a kill -9 is recovered from.
 
-Overhead: W1 (MLP 784-2048x3-10, global batch 512, SGD with momentum) trained by the same script
+Overhead: W1 (MLP 784-2048x3-10, global batch 512, SGD with momentum, ``train_step``) trained by the same script
 under ``loom run --groups 2 --nproc N`` (FaultTolerantMirroredStrategy) and ``loom run --nproc 2N``
 (MirroredStrategy), for N = 1 and 2: the same processes either way, jobs interleaved (Mirrored,
 groups, Mirrored, ...), median step time of each job after its warm-up steps.
@@ -76,6 +76,7 @@ def train(out: Path, steps: int) -> None:
     record = strategy.cluster.rank == 0
     torch.manual_seed(0)
     model, opt = strategy.prepare(w1.build(), lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9))
+    step = strategy.train_step(model, F.cross_entropy, opt)
     loader = strategy.distribute(w1.data(batches=8), batch_size=w1.global_batch)
     log = open(out / f"steps-{group}.jsonl", "a") if record else None
     if log:
@@ -84,9 +85,7 @@ def train(out: Path, steps: int) -> None:
     while done < steps:
         for x, y in loader:
             fetch = time.time() - asked  # the batch's wait: under --groups, the step's quorum with it
-            strategy.backward(F.cross_entropy(model(x), y))
-            opt.step()
-            opt.zero_grad()
+            step(x, y)
             m = getattr(strategy, "membership", None)
             batch = m.batch if m else done
             if log:

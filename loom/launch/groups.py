@@ -12,6 +12,7 @@ and how long each took.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import signal
 import shutil
@@ -84,7 +85,7 @@ def job_digest(entry: list[str], groups: int, nproc: int) -> str:
 
 def check_lighthouse(address: str) -> tuple[str, str]:
     """``HOST:PORT`` of a lighthouse started elsewhere, as torchft takes it, and this host's address towards it
-    (where the other groups' hosts can reach this one); one line when it cannot be reached."""
+    (where the other groups' hosts can reach this one, unless it is loopback); one line when it cannot be reached."""
     host, _, port = address.removeprefix("http://").rpartition(":")
     if not host or not port.isdigit():
         raise LaunchError(f"--lighthouse takes HOST:PORT (e.g. node0:29510), not {address!r}")
@@ -97,6 +98,13 @@ def check_lighthouse(address: str) -> tuple[str, str]:
             "`loom lighthouse --port PORT`, or leave --lighthouse out to start one here"
         ) from None
     return f"http://{host}:{port}", here
+
+
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: str | None = None, group: int | None = None) -> int:
@@ -122,12 +130,14 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
     if lighthouse is None:
         server = start_lighthouse()
         lighthouse = server.address()
-    else:  # the other groups are on other hosts: tell them an address of this one they can reach, not its name
+    else:  # other groups may be on other hosts: tell them an address of this one they can reach, not its name
         lighthouse, reachable = check_lighthouse(lighthouse)
-        address = {ADDRESS_ENV: os.environ.get(ADDRESS_ENV) or reachable}
-        interface = os.environ.get("GLOO_SOCKET_IFNAME") or interface_towards(reachable)
-        if interface:  # gloo listens where this host's name resolves to, loopback where it does not
-            address["GLOO_SOCKET_IFNAME"] = interface
+        mine = os.environ.get(ADDRESS_ENV) or (None if _loopback(reachable) else reachable)
+        if mine:  # (a lighthouse reached over loopback says nothing of where the other hosts reach this one)
+            address = {ADDRESS_ENV: mine}
+            interface = os.environ.get("GLOO_SOCKET_IFNAME") or interface_towards(mine)
+            if interface:  # gloo listens where this host's name resolves to, loopback where it does not
+                address["GLOO_SOCKET_IFNAME"] = interface
     events = os.environ.get(EVENTS_ENV) or tempfile.mkdtemp(prefix="loom-groups-")  # one given is kept
     env = {**os.environ, **started, **address, LIGHTHOUSE_ENV: lighthouse, GROUPS_ENV: str(groups), EVENTS_ENV: events, JOB_ENV: job_digest(entry, groups, nproc)}
     running = {g: _start_group(g, entry, opts, nproc, threads, env, groups, forker) for g in here}

@@ -22,7 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from loom.cluster import NodeSpec, resolve_node
 from loom.compat import run_torchrun, torchrun_accepts
 from loom.checkpoint.arrival import resolve_wait
-from loom.comm.groups import ADDRESS_ENV
+from loom.comm.groups import ADDRESS_ENV, GROUP_ENV
 from loom.comm.health import resolve_hang_check, resolve_silence_limit
 from loom.comm.process_group import TIMEOUT_ENV, resolve_timeout
 from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
@@ -95,9 +95,10 @@ def _count(n: int, noun: str, suffix: str = "s") -> str:
 
 
 def _name_resolves() -> bool:
-    """Whether this host's name resolves to an address (in a container or namespace it may not, even here)."""
+    """Whether this host's names resolve to an address (in a container or namespace they may not, even here)."""
     try:
-        socket.gethostbyname(socket.gethostname())
+        for name in {socket.gethostname(), socket.getfqdn()}:
+            socket.gethostbyname(name)
     except OSError:
         return False
     return True
@@ -146,7 +147,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
             "--master-addr", node.master_addr,
             "--master-port", str(node.master_port),
         ]  # fmt: skip
-    local = os.environ.get(ADDRESS_ENV) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
+    local = (os.environ.get(ADDRESS_ENV) if GROUP_ENV in os.environ else None) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
     if local and torchrun_accepts("--local-addr"):  # the workers' MASTER_ADDR: else this host's name, which may not resolve
         argv += ["--local-addr", local]
     return argv + ["-m", WORKER] + entry

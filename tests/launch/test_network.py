@@ -95,9 +95,9 @@ def test_with_restarts_the_job_finishes_once_the_host_is_back(hosts, tmp_path):
 def test_a_one_host_job_runs_where_the_hosts_own_name_does_not_resolve(hosts, tmp_path):
     """torchrun would hand the workers this host's name as MASTER_ADDR, which they cannot connect to."""
     script = tmp_path / "sum.py"
-    script.write_text("import os, torch, torch.distributed as dist, loom\n"
+    script.write_text("import os, sys, torch, torch.distributed as dist, loom\n"
                       "s = loom.MirroredStrategy()\nt = torch.ones(1)\ndist.all_reduce(t)\n"
-                      "print(os.environ['MASTER_ADDR'], int(t.item()), flush=True)\n")  # fmt: skip
-    done = subprocess.run(on_host("a", [*LOOM, "run", "--nproc", "2", str(script)]), cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=100)
+                      "open(f'{sys.argv[1]}/rank{s.replica_id}', 'w').write(f\"{os.environ['MASTER_ADDR']} {int(t.item())}\")\n")  # fmt: skip
+    done = subprocess.run(on_host("a", [*LOOM, "run", "--nproc", "2", str(script), str(tmp_path)]), cwd=ROOT, env=job_env(), capture_output=True, text=True, timeout=100)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert sorted(done.stdout.split()) == ["127.0.0.1", "127.0.0.1", "2", "2"]
+    assert [(tmp_path / f"rank{r}").read_text() for r in (0, 1)] == ["127.0.0.1 2"] * 2

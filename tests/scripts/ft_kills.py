@@ -16,12 +16,14 @@ the pen:
   response (the HTTP headers sent, the state's bytes not yet) and writes its pid, group and life there.
 - ``OUT/quorum-G-R`` counts the quorum requests life R of group G has sent.
 
-Both trips are in the scheduler's state (``Tripwire``), which torchft pickles into the response of
-the group serving a heal and unpickles in the healing group.
+The send trip is in the scheduler's state (``Tripwire``), which torchft pickles into the response of
+the group serving a heal (it arrives as an empty OrderedDict: loom loads a heal's tensors and plain
+values only); the load trip wraps loom's ``load_heal``, once it has read part of the response.
 """
 
 import importlib.util
 import json
+from collections import OrderedDict
 import os
 import sys
 import time
@@ -31,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 import loom
+from loom.strategies.data_parallel import fault_tolerant
+from loom.strategies.data_parallel.fault_tolerant import load_heal
 
 spec = importlib.util.spec_from_file_location("ft_train", Path(__file__).with_name("ft_train.py"))
 ft_train = importlib.util.module_from_spec(spec)
@@ -51,11 +55,15 @@ def _park(path: Path) -> None:
         time.sleep(0.05)
 
 
-def _loaded() -> "Tripwire":
-    """Unpickled by the healing group, in the middle of reading a heal's state."""
+def _load_tripping(stream):
+    """loom's ``load_heal`` in the healing group, which life R of group G stops in the middle of."""
     if (GROUP, RESTART) in _pairs("TRIP_LOAD"):
+        stream.read(64)
         _park(OUT / f"parked-{GROUP}")
-    return Tripwire()
+    return load_heal(stream)
+
+
+fault_tolerant.load_heal = _load_tripping
 
 
 class Tripwire:
@@ -63,7 +71,7 @@ class Tripwire:
         flag = OUT / "trip-send"
         if flag.exists() and not flag.read_text():
             _park(flag)
-        return (_loaded, ())
+        return (OrderedDict, ())
 
 
 class TrippingStepLR(torch.optim.lr_scheduler.StepLR):

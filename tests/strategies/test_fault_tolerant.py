@@ -136,15 +136,45 @@ def test_buckets_cross_the_groups_during_backward_in_one_order_whatever_backward
     assert len(sends.sent) == 3 and sends.early.finish() is None
 
 
-def test_a_second_backward_in_a_step_makes_it_sum_again_after_waiting_for_what_it_sent():
+def test_a_gradient_reported_twice_sends_no_bucket_twice():
+    """Every group must start one all-reduce per bucket a step (a healing group starts exactly that many)."""
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2)]
     sends = _Sends([[params[1]], [params[0]]])
     sends.early.begin(1.0)
-    for i in (1, 0, 1):  # the second loss's backward reaches a gradient that went already
+    for i in (1, 1, 0, 1, 0):
         _backward(params, i)
         sends.early.grad_ready(params[i])
-    assert sends.early.finish() is None  # the strategy then sums every bucket after backward
-    assert sends.waited == sends.sent == [[1.0], [0.0]]  # but first ends the all-reduces every group started
+    assert len(sends.sent) == 2 and len(sends.early.finish()) == 2 and len(sends.sent) == 2
+
+
+class _RunsACommand:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_heals_state_is_loaded_as_tensors_and_plain_values_and_code_in_it_is_not_run(tmp_path):
+    """torchft unpickles a heal whole; loom's transport loads it with torch's weights-only unpickler."""
+    import io
+
+    from torch.distributed._serialization import _streaming_save
+
+    from loom.errors import CheckpointError
+    from loom.strategies.data_parallel.fault_tolerant import load_heal
+
+    def sent(state):
+        stream = io.BytesIO()
+        _streaming_save(state, stream)
+        stream.seek(0)
+        return stream
+
+    opt = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))])
+    state = {"user": {"loom": {"model": {"w": torch.ones(2)}, "optimizer": opt.state_dict(), "clip": (0.5, 2.0)}}, "torchft": {"step": 3}}
+    assert load_heal(sent(state))["user"]["loom"]["clip"] == (0.5, 2.0)
+    evil = _RunsACommand()
+    evil.marker = tmp_path / "ran"
+    with pytest.raises(CheckpointError, match=r"^a heal's state held an object loom does not load from another process: .*system"):
+        load_heal(sent({"user": {"loom": {"w": torch.ones(2), "x": evil}}}))
+    assert not evil.marker.exists()
 
 
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():

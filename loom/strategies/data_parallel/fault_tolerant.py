@@ -39,7 +39,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import pickle
 import time
+import urllib.request
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ from torch.distributed import ReduceOp
 
 from loom.comm.groups import ADDRESS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
 from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
-from loom.errors import LaunchError
+from loom.errors import CheckpointError, LaunchError
 from loom.strategies.base import unwrap
 from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader, group_slice
 from loom.strategies.data_parallel.fault_tolerant_history import History
@@ -135,7 +137,8 @@ class _AcrossGroups:
         warnings.filterwarnings("ignore", message="The given buffer is not writable")  # torch, reading a heal's bytes
         timeout = timedelta(seconds=self.timeout)
         address = os.environ.get(ADDRESS_ENV)  # set when the groups are on several hosts: a host's name may not resolve on the others
-        reach = {"hostname": address, "store_addr": address, "checkpoint_transport": _transport_at(address, timeout)} if address else {}
+        host = f"[{address}]" if address and ":" in address else address  # in a URL
+        reach = {"hostname": host, "store_addr": address} if address else {}
 
         def make() -> Any:
             return Manager(
@@ -152,6 +155,7 @@ class _AcrossGroups:
                 world_size=self.group_size,
                 replica_id=f"job{self._job}_group_{self.group}",  # torchft reads the group from the trailing digits
                 lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
+                checkpoint_transport=_heal_transport(host, timeout),
                 **reach,
             )
 
@@ -380,8 +384,9 @@ class _AcrossGroups:
         self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        """A gradient that backward has finished: its bucket may cross the groups while backward goes on."""
-        if self._sends_early and self.sync_gradients:
+        """A gradient that backward has finished: in train_step's last micro-batch its bucket may cross the
+        groups while backward goes on (see ``fault_tolerant_overlap``)."""
+        if self._sends_early and self.sync_gradients and self.step_recorder.in_train_step:
             self._early.grad_ready(param)
 
     @contextmanager
@@ -529,7 +534,7 @@ class _AcrossGroups:
             if p.grad is None:
                 part.zero_()
             else:
-                torch.mul(self._local(p.grad), weight, out=part)
+                torch.mul(self._local(p.grad).detach(), weight, out=part)
         return flat
 
     def _unflatten(self, flat: torch.Tensor, bucket: list[nn.Parameter]) -> None:
@@ -611,20 +616,38 @@ class _CommittingOptimizer(StrategyOptimizer):
         return self.precision.step(self.optimizer, closure)
 
 
-def _transport_at(address: str, timeout: timedelta) -> Any:
-    """torchft's HTTP transport of the heals, giving the other groups this host's ``address`` where torchft gives its name."""
+def _heal_transport(address: str | None, timeout: timedelta) -> Any:
+    """torchft's HTTP transport of the heals, loading what another process sends as tensors and plain values only
+    (torchft unpickles it whole, which runs whatever the bytes say), and giving the other groups this host's
+    ``address``, where set, instead of its name."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class Transport(HTTPTransport):
         def address(self) -> str:
-            return f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+            return super().address() if address is None else f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        @classmethod
+        def _load_from_address(cls, url: str, timeout: timedelta) -> object:
+            with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as f:
+                return load_heal(f)
 
     return Transport(timeout=timeout, num_chunks=0)
 
 
+def load_heal(f: Any) -> object:
+    """A heal's state from a stream, as tensors and plain values: any other object in it is refused, not built."""
+    from torch.distributed._serialization import _streaming_load
+
+    try:
+        return _streaming_load(f, weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"a heal's state held an object loom does not load from another process: {str(error).splitlines()[0]}") from None
+
+
 def _buckets(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
-    """The parameters in the order backward fills their gradients (the last layers' first), cut into
-    buckets of Mirrored's size (about AUTO_BUCKETS of them): the same on every group, restarted or not."""
+    """The parameters in reverse order (the order backward usually fills their gradients), cut into buckets
+    of Mirrored's automatic size (``auto_bucket_cap_mb``) and at each change of dtype: the same on every
+    group, restarted or not."""
     cap = auto_bucket_cap_mb([p.shape for p in params]) * 2**20
     buckets: list[list[nn.Parameter]] = [[]]
     size = 0

@@ -1,13 +1,15 @@
 """Gradients summed across the replica groups while backward still runs (one process per group).
 
-The buckets are laid out in the order backward fills them (the last layers' first). A bucket's
-all-reduce starts as soon as backward has produced each of its gradients and every bucket before
-it has gone: every group starts the same all-reduces in the same order whatever its timing, which
-all-reduces over one process group need. A bucket that backward has not filled by the step's sync (a parameter
-without a gradient, or one used before another bucket's) goes then, with zeros for the missing.
+The buckets are laid out in the reverse order of the parameters, the order backward usually fills
+them. A bucket's all-reduce starts as soon as backward has produced each of its gradients and every
+bucket before it has gone: every group starts the same all-reduces, one per bucket, in the same
+order whatever its timing, which all-reduces over one process group need. A bucket that backward has
+not filled by the step's sync (a parameter without a gradient, or a model whose gradients come in
+another order) goes then, with zeros for the missing.
 
-A second backward in one step (two losses, each with its own ``backward``) changes gradients
-that were already sent: the step then waits for what it sent and sums everything again.
+Only ``train_step`` sends during backward: its last micro-batch's backward is the step's only one,
+and nothing changes the gradients between it and the update. In the eager loop a second backward
+or the user's own edit of a gradient may come after backward, so every bucket goes at the step.
 """
 
 from __future__ import annotations
@@ -37,29 +39,18 @@ class EarlySums:
         self._ready: list[set[int]] = [set() for _ in self._buckets]
         self._next = 0  # the bucket to send next
         self._sent: list[tuple[torch.Tensor, Any]] = []  # (flat, work), in bucket order
-        self._spoiled = False
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """Backward has accumulated ``param``'s gradient: send the buckets it completes, in turn."""
         if self._weight is None:
             return
-        bucket = self._bucket_of[id(param)]
-        if bucket < self._next or id(param) in self._ready[bucket]:
-            self._spoiled = True  # a second backward in this step
-            return
-        self._ready[bucket].add(id(param))
+        self._ready[self._bucket_of[id(param)]].add(id(param))
         while self._next < len(self._buckets) and len(self._ready[self._next]) == len(self._buckets[self._next]):
             self._send_next()
 
     def finish(self) -> list[tuple[torch.Tensor, Any]] | None:
-        """Every bucket sent, in order, with its work; None where the step must sum again (after
-        waiting for what it sent) or sent nothing."""
+        """Every bucket sent, in order, with its work (those backward did not complete go now); None outside a step."""
         if self._weight is None:
-            return None
-        if self._spoiled:
-            for _, work in self._sent:
-                work.wait()
-            self.begin(None)
             return None
         while self._next < len(self._buckets):
             self._send_next()
