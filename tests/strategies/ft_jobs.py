@@ -82,6 +82,18 @@ def assert_close(a, b):
         torch.testing.assert_close(a[key], b[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
+def assert_two_groups_trained_as_one_device(out):
+    """A job of 2 groups x 1 process without failure: every step by both, every sample once an epoch, and each group's
+    weights and learning rate where OneDevice's are."""
+    steps = read_steps(out)
+    assert {s["replicas"] for s in steps} == {2} and {tuple(s["groups"]) for s in steps} == {(0, 1)}
+    assert all(c == Counter(range(96)) for c in samples_per_epoch(steps).values())
+    weights, schedule = one_device()
+    for g in (0, 1):
+        assert_close(torch.load(out / f"final-{g}-0.pt"), weights)
+        assert json.loads((out / f"lr-{g}-0.json").read_text()) == schedule
+
+
 def samples_per_epoch(steps):
     """Sample ids trained in each epoch, counted once per process slice of each committed batch."""
     epochs: dict[int, Counter] = {}

@@ -30,7 +30,7 @@ pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # i
 from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
 from tests.netns import TAG, namespace, network, on_host, sh, why_no_namespaces  # noqa: E402
-from tests.strategies.ft_jobs import assert_close, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, assert_two_groups_trained_as_one_device, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
 @pytest.mark.timeout(300)
@@ -73,13 +73,7 @@ def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_
         jobs = [start_job(tmp_path, *apart, "--group", str(g), env={"ACCUMULATE": "2"}) for g in (0, 1)]  # two backward passes a step
         for job in jobs:
             finish(job, 200)
-    steps = read_steps(tmp_path)
-    assert {s["replicas"] for s in steps} == {2} and {tuple(s["groups"]) for s in steps} == {(0, 1)}
-    assert all(c == Counter(range(96)) for c in samples_per_epoch(steps).values())
-    weights, schedule = one_device()
-    for g in (0, 1):
-        assert_close(torch.load(tmp_path / f"final-{g}-0.pt"), weights)
-        assert json.loads((tmp_path / f"lr-{g}-0.json").read_text()) == schedule
+    assert_two_groups_trained_as_one_device(tmp_path)
 
 
 def test_fp16_and_batchnorm_synced_within_groups_only_are_refused_in_one_line():
@@ -202,8 +196,12 @@ def test_groups_on_hosts_whose_names_resolve_nowhere_train_together_and_equal_on
         with network(hosts, prefix="t"):
             for host in "ab":
                 sh("ip", "netns", "exec", namespace(host, "t"), "tc", "qdisc", "add", "dev", f"t{host}i{TAG}", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms")
-            run = lambda host, *args, **env: started.append(subprocess.Popen(on_host(host, [*LOOM, *args], prefix="t"), cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", **env}),  # noqa: E731
-                                                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)) or started[-1]  # fmt: skip
+
+            def run(host, *args):
+                started.append(subprocess.Popen(on_host(host, [*LOOM, *args], prefix="t"), cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60"}),
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
+                return started[-1]
+
             assert "listening on" in run("l", "lighthouse", "--port", "29611").stdout.readline()  # its first line: it listens
             jobs = [run(host, "run", "--lighthouse", f"{hosts['l']}:29611", "--groups", "2", "--group", str(g), "--nproc", "1", str(SCRIPTS / "ft_train.py"), str(tmp_path)) for g, host in enumerate("ab")]
             for job in jobs:
@@ -212,12 +210,7 @@ def test_groups_on_hosts_whose_names_resolve_nowhere_train_together_and_equal_on
         for proc in started:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
-    steps = read_steps(tmp_path)
-    assert {s["replicas"] for s in steps} == {2} and {tuple(s["groups"]) for s in steps} == {(0, 1)}
-    assert all(c == Counter(range(96)) for c in samples_per_epoch(steps).values())
-    weights, _ = one_device()
-    for g in (0, 1):
-        assert_close(torch.load(tmp_path / f"final-{g}-0.pt"), weights)
+    assert_two_groups_trained_as_one_device(tmp_path)
 
 
 @pytest.mark.timeout(300)
