@@ -213,7 +213,7 @@ def across_hosts(rounds: int, steps: int) -> dict:
     """The overhead and a recovery again with each group on a host of its own and the lighthouse on a third (network
     namespaces on a bridge, the groups' links shaped to 1 Gbit/s), against MultiWorkerMirrored on the same two hosts."""
     sys.path.insert(0, str(ROOT))
-    from tests.netns import TAG, namespace, network, on_host, sh, why_no_namespaces
+    from tests.netns import network, on_host, shape, why_no_namespaces
 
     reason = why_no_namespaces()
     if reason:
@@ -241,7 +241,7 @@ def across_hosts(rounds: int, steps: int) -> dict:
     try:
         with network(HOSTS, prefix="r"):
             for host in "ab":
-                sh("ip", "netns", "exec", namespace(host, "r"), "tc", "qdisc", "add", "dev", f"r{host}i{TAG}", "root", "tbf", "rate", RATE, "burst", "256kb", "latency", "50ms")
+                shape(host, RATE, prefix="r")
             if "listening on" not in on("l", fresh(), ["lighthouse", "--port", str(LIGHTHOUSE_PORT)]).stdout.readline():
                 raise SystemExit("the lighthouse did not start")
             seconds: dict[str, list[float]] = {"MultiWorkerMirrored (2 hosts)": [], "FaultTolerantMirrored (--groups 2, a host each)": []}

@@ -314,7 +314,7 @@ def quality_worker(steps: int, sync_every: int, out: str) -> None:
 
 # ---- the driver, as root ---------------------------------------------------------------------------
 def run_hosts(args: argparse.Namespace, out: Path) -> None:
-    from tests.netns import TAG, namespace, network, on_host, sh
+    from tests.netns import network, on_host, shape
 
     port = 29_641
     command = [sys.executable, "-m", "loom.launch.cli", "run", "--nnodes", "2", "--master", f"{HOSTS['a']}:{port}",
@@ -325,8 +325,7 @@ def run_hosts(args: argparse.Namespace, out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOOM_HEARTBEAT_TIMEOUT": "120"}
     with network(HOSTS, prefix="s"):
         for host in HOSTS:  # each host's egress at the link's rate
-            sh("ip", "netns", "exec", namespace(host, "s"), "tc", "qdisc", "add", "dev", f"s{host}i{TAG}", "root",
-               "tbf", "rate", RATE, "burst", "256kb", "latency", "50ms")  # fmt: skip
+            shape(host, RATE, prefix="s")
         agents = [
             subprocess.Popen(on_host(host, [*command[:6], "--node-rank", str(rank), *command[6:], *worker], prefix="s"),
                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip

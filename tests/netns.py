@@ -61,6 +61,12 @@ def network(hosts: dict[str, str], prefix: str = "l") -> Iterator[dict[str, str]
         subprocess.run(["ip", "link", "del", bridge], capture_output=True)
 
 
+def shape(host: str, rate: str, prefix: str = "l") -> None:
+    """Limit what ``host`` sends to ``rate`` (``tc ... tbf``, e.g. "1gbit"): this kernel has no netem."""
+    sh("ip", "netns", "exec", namespace(host, prefix), "tc", "qdisc", "add", "dev", f"{prefix}{host}i{TAG}", "root",
+       "tbf", "rate", rate, "burst", "256kb", "latency", "50ms")  # fmt: skip
+
+
 def namespace(host: str, prefix: str = "l") -> str:
     return f"{prefix}{host}{TAG}"
 

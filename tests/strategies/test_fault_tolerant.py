@@ -29,7 +29,7 @@ pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # i
 
 from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
-from tests.netns import TAG, namespace, network, on_host, sh, why_no_namespaces  # noqa: E402
+from tests.netns import network, on_host, shape, why_no_namespaces  # noqa: E402
 from tests.strategies.ft_jobs import assert_close, assert_two_groups_trained_as_one_device, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
 
 
@@ -195,7 +195,7 @@ def test_groups_on_hosts_whose_names_resolve_nowhere_train_together_and_equal_on
     try:
         with network(hosts, prefix="t"):
             for host in "ab":
-                sh("ip", "netns", "exec", namespace(host, "t"), "tc", "qdisc", "add", "dev", f"t{host}i{TAG}", "root", "tbf", "rate", "1gbit", "burst", "256kb", "latency", "50ms")
+                shape(host, "1gbit", prefix="t")
 
             def run(host, *args):
                 started.append(subprocess.Popen(on_host(host, [*LOOM, *args], prefix="t"), cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60"}),
