@@ -2,7 +2,9 @@
 
 - ``reuse_memory``: glibc keeps freed memory for the next step (``loom.fast.allocator``), set
   before the process started by loom's launcher, or here by ``mallopt`` once;
-- ``pool_before_relu``: a ReLU that a max-pool follows runs after it (``loom.fast.fast_path``).
+- ``pool_before_relu``: a ReLU that a max-pool follows runs after it (``loom.fast.fast_path``);
+- ``pool_nhwc``: a max-pool given a contiguous batch pools a channels_last copy of it with eager's
+  channels_last kernel (``loom.fast.nhwc_max_pool``).
 
 ``apply`` applies them to a model about to be wrapped, and returns the one line that says what
 was applied (or undone, for ``fast_path=False``); ``allocator_only`` is for strategies whose
@@ -15,7 +17,7 @@ from typing import Sequence
 
 from torch import nn
 
-from loom.fast import allocator
+from loom.fast import allocator, nhwc_max_pool
 from loom.fast.fast_path import pool_before_relu
 
 OFF = "prepare(fast_path=False) turns it off"
@@ -30,6 +32,9 @@ def apply(module: nn.Module, fast_path: bool | Sequence[str] | None) -> str | No
     pairs = pool_before_relu(module, True)
     if pairs:
         applied.append(f"pool_before_relu (ReLUs after the max-pools they precede, in {pairs} nn.Sequential)")
+    pools = nhwc_max_pool.use(module)
+    if pools:
+        applied.append(f"pool_nhwc ({pools} nn.MaxPool2d pool a contiguous batch by the channels_last kernel)")
     return f"loom: fast path, exact (changes no number; {OFF}): " + ", ".join(applied)
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from loom.compat import dynamo_recompile_limit, inside_functorch_transform, pair, swap_class
+from loom.fast.nhwc_max_pool import NhwcMaxPool2d
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # exact in fp32; float64 is not
 
@@ -131,10 +132,10 @@ def takes(x: Any, k: int, kernels: Kernels) -> bool:
     return kernels.compiled_for(x, k)
 
 
-class WindowMaxPool2d(nn.MaxPool2d):
+class WindowMaxPool2d(NhwcMaxPool2d):
     """An ``nn.MaxPool2d`` that pools tiling windows of a channels_last CPU batch with the kernels
     above (its model's ``Kernels``); any other input, or a module whose settings changed since,
-    runs eager's."""
+    runs eager's (through ``NhwcMaxPool2d``, exact, for a contiguous batch)."""
 
     kernels: Kernels
 
@@ -149,21 +150,28 @@ class WindowMaxPool2d(nn.MaxPool2d):
         plain = copy.copy(self)
         swap_class(plain, nn.MaxPool2d)
         plain.__dict__.pop("kernels", None)
+        plain.__dict__.pop("plain_class", None)
         return plain
 
 
+MAX_POOLS = (nn.MaxPool2d, NhwcMaxPool2d, WindowMaxPool2d)  # eager's pool, and loom's classes for it
+
+
 def pools(module: nn.Module) -> list[nn.MaxPool2d]:
-    """The module's plain ``nn.MaxPool2d`` layers with tiling windows."""
-    return [m for m in module.modules() if type(m) in (nn.MaxPool2d, WindowMaxPool2d) and window(m) is not None]
+    """The module's ``nn.MaxPool2d`` layers (plain, or loom's) with tiling windows."""
+    return [m for m in module.modules() if type(m) in MAX_POOLS and window(m) is not None]
 
 
 def use(layers: list[nn.MaxPool2d], on: bool, kernels: Kernels | None = None) -> None:
     """Give each pool of one model the class that runs the kernels, all of them sharing
-    ``kernels`` (new ones by default), or take the class and the kernels back."""
+    ``kernels`` (new ones by default), or take the kernels back, and the class the pool had."""
     kernels = kernels or Kernels()
     for layer in layers:
-        swap_class(layer, WindowMaxPool2d if on else nn.MaxPool2d)
         if on:
+            if type(layer) is not WindowMaxPool2d:
+                layer.plain_class = type(layer)
+            swap_class(layer, WindowMaxPool2d)
             layer.kernels = kernels
-        else:
+        elif type(layer) is WindowMaxPool2d:
+            swap_class(layer, layer.__dict__.pop("plain_class", nn.MaxPool2d))
             layer.__dict__.pop("kernels", None)

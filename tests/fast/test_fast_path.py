@@ -11,6 +11,7 @@ from torch import nn
 
 import loom
 from loom.fast import allocator, fast_path
+from loom.fast.nhwc_max_pool import NhwcMaxPool2d
 from tests.helpers import SCRIPTS, job_env, loom_run
 
 
@@ -124,11 +125,12 @@ def test_the_default_applies_exactly_what_it_says_and_trains_bit_for_bit_as_plai
     assert said_off == ""
     assert said == (
         "loom: fast path, exact (changes no number; prepare(fast_path=False) turns it off): reuse_memory (mallopt in this "
-        "process, which loom's launcher did not start), pool_before_relu (ReLUs after the max-pools they precede, in 1 nn.Sequential)\n"
+        "process, which loom's launcher did not start), pool_before_relu (ReLUs after the max-pools they precede, in 1 nn.Sequential), "
+        "pool_nhwc (1 nn.MaxPool2d pool a contiguous batch by the channels_last kernel)\n"
     )
     assert allocator.kept() == allocator.BY_MALLOPT
     assert type(net) is fast_path.PoolBeforeReluSequential
-    assert [type(m) for m in net] == [nn.Conv2d, nn.ReLU, nn.MaxPool2d, nn.Flatten, nn.Linear]  # in place, nothing else changed
+    assert [type(m) for m in net] == [nn.Conv2d, nn.ReLU, NhwcMaxPool2d, nn.Flatten, nn.Linear]  # in place, nothing else changed
     assert all(p.is_contiguous() for p in net.parameters())  # no channels_last, nor its edges
     assert fast_path._batch_channels_last not in net._forward_pre_hooks.values()
     assert list(on) == keys
@@ -228,7 +230,7 @@ def test_bad_fast_path_options_get_one_line():
     strategy = loom.OneDeviceStrategy(device="cpu")
     with pytest.raises(ValueError, match=r"^prepare\(fast_path=...\) measures the model on a batch: pass example_input="):
         strategy.prepare(convnet(), fast_path=True)
-    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, pool_before_relu, pool_kernel, compile, reuse_memory; got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^fast_path takes True, False or a list of candidates from channels_last, pool_before_relu, pool_nhwc, pool_kernel, compile, reuse_memory; got 'fast'$"):
         strategy.prepare(convnet(), fast_path="fast", example_input=torch.randn(2, 3, 6, 6))
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 import loom
 from loom.fast import fast_path, window_max_pool
+from loom.fast.nhwc_max_pool import NhwcMaxPool2d
 from loom.fast.window_max_pool import WindowMaxPool2d
 
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
@@ -120,7 +121,7 @@ def test_pool_kernel_when_faster_trains_as_channels_last_alone_does(monkeypatch,
         trained[len(candidates)] = (raw, capsys.readouterr().out.splitlines()[-1])
     (plain, _), (fast, line) = trained[1], trained[2]
     assert line.startswith("loom: fast path channels_last+pool_kernel, 2.00x eager"), line
-    assert type(fast[2]) is WindowMaxPool2d and type(plain[2]) is nn.MaxPool2d
+    assert type(fast[2]) is WindowMaxPool2d and type(plain[2]) is NhwcMaxPool2d  # the exact default
     assert list(fast.state_dict()) == list(plain.state_dict())
     for key, value in plain.state_dict().items():
         assert torch.equal(fast.state_dict()[key], value), key
