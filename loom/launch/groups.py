@@ -29,7 +29,7 @@ from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError
 from loom.fast import allocator
 from loom.launch.parent import die_with_parent
-from loom.launch.torchrun import LaunchOptions, interface_towards, run_job
+from loom.launch.torchrun import LaunchOptions, interface_addresses, interface_towards, name_resolves, run_job
 from loom.launch.zygote import ForkedWorker, Forker
 
 # A group whose heartbeat the lighthouse has not heard for this long is out of the next quorum:
@@ -62,7 +62,7 @@ def serve_lighthouse(port: int, min_groups: int) -> int:
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log says every quorum, at info
     server = start_lighthouse(port, min_groups)
     address = server.address().removeprefix("http://")
-    print(f"loom: lighthouse listening on {address}; on each group's host: loom run --lighthouse {address} --groups G --group I --nproc N script.py", flush=True)
+    print(f"loom: lighthouse listening on {address}; {_reach(address)}", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
@@ -70,6 +70,28 @@ def serve_lighthouse(port: int, min_groups: int) -> int:
         pass
     server.shutdown()
     return 0
+
+
+def _reach(address: str) -> str:
+    """How the groups' hosts reach a lighthouse at ``address`` (this host's name and port): by that
+    name where it resolves, else by one of this host's addresses, which are listed."""
+    port = address.rpartition(":")[2]
+    addresses = [ip for ip in interface_addresses().values() if not ipaddress.ip_address(ip).is_loopback]
+    at = address if name_resolves() or not addresses else f"{addresses[0]}:{port}"
+    listed = f" (this host's addresses: {', '.join(addresses)})" if addresses else ""
+    return f"on each group's host: loom run --lighthouse {at} --groups G --group I --nproc N script.py{listed}"
+
+
+def _dropped(steps: int | None) -> str:
+    """What a heal dropped of the healed group's own steps (``History.take``)."""
+    if steps == 0:
+        return ""
+    if steps is None:
+        return "; whether it dropped steps of its own cannot be told: it was further behind than the steps whose digests are kept"
+    return (
+        f"; it dropped its own last {steps} step(s): the lighthouse had split the quorum, and it trained them on a branch "
+        "of its own, which the kept branch trained too"
+    )
 
 
 def job_digest(entry: list[str], groups: int, nproc: int) -> str:
@@ -199,7 +221,8 @@ class MembershipLines:
     def feed(self, event: dict[str, Any]) -> list[str]:
         kind, t = event["event"], event["t"]
         if kind == "healed":
-            return [f"group {event['group']} healed at batch {event['batch']} in {event['seconds']:.1f}s (a live group's weights and optimizer state, no checkpoint)"]
+            line = f"group {event['group']} healed at batch {event['batch']} in {event['seconds']:.1f}s (a live group's weights and optimizer state, no checkpoint)"
+            return [line + _dropped(event.get("dropped", 0))]
         if kind == "refused":
             if event["batch"] in self.refused:
                 return []

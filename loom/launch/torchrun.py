@@ -94,7 +94,7 @@ def _count(n: int, noun: str, suffix: str = "s") -> str:
     return f"{n} {noun}{suffix if n != 1 else ''}"
 
 
-def _name_resolves() -> bool:
+def name_resolves() -> bool:
     """Whether this host's names resolve to an address (in a container or namespace they may not, even here)."""
     try:
         for name in {socket.gethostname(), socket.getfqdn()}:
@@ -147,7 +147,7 @@ def torchrun_argv(opts: LaunchOptions, entry: list[str]) -> list[str]:
             "--master-addr", node.master_addr,
             "--master-port", str(node.master_port),
         ]  # fmt: skip
-    local = (os.environ.get(ADDRESS_ENV) if GROUP_ENV in os.environ else None) or (None if node.nnodes > 1 or _name_resolves() else "127.0.0.1")
+    local = (os.environ.get(ADDRESS_ENV) if GROUP_ENV in os.environ else None) or (None if node.nnodes > 1 or name_resolves() else "127.0.0.1")
     if local and torchrun_accepts("--local-addr"):  # the workers' MASTER_ADDR: else this host's name, which may not resolve
         argv += ["--local-addr", local]
     return argv + ["-m", WORKER] + entry
@@ -186,17 +186,27 @@ def interface_towards(address: str) -> str | None:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, 9))  # UDP: picks the route, sends nothing
             local = probe.getsockname()[0]
-        for _, name in socket.if_nameindex():
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-                except OSError:
-                    continue
-            if socket.inet_ntoa(packed[20:24]) == local:
-                return name
     except OSError:
         return None
-    return None
+    return next((name for name, ip in interface_addresses().items() if ip == local), None)
+
+
+def interface_addresses() -> dict[str, str]:
+    """Each network interface's IPv4 address, by the interface's name (Linux's ``SIOCGIFADDR``);
+    interfaces without one are left out."""
+    found = {}
+    try:
+        names = socket.if_nameindex()
+    except OSError:
+        return found
+    for _, name in names:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+        found[name] = socket.inet_ntoa(packed[20:24])
+    return found
 
 
 def check_timeouts(opts: LaunchOptions) -> None:

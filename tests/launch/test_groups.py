@@ -101,13 +101,20 @@ def test_the_launcher_says_when_a_group_leaves_rejoins_and_heals():
         _commit(13.0, 5, [0]),
         _commit(20.5, 6, [0, 1]),
         {"event": "healed", "t": 20.6, "group": 1, "batch": 6, "seconds": 0.25},
+        {"event": "healed", "t": 30.0, "group": 1, "batch": 9, "seconds": 0.5, "dropped": 2},
+        {"event": "healed", "t": 40.0, "group": 1, "batch": 12, "seconds": 0.5, "dropped": None},
     ]:
         said += lines.feed(event)
+    healed = "healed at batch {} in 0.5s (a live group's weights and optimizer state, no checkpoint); "
     assert said == [
         "batch 4 not applied: a group failed during its step; the groups alive train it again",
         "group 1 left at batch 4: group(s) 0 went on without it 2.5s after the last step with it",
         "group 1 rejoined at batch 6, 8.0s after it left",
         "group 1 healed at batch 6 in 0.2s (a live group's weights and optimizer state, no checkpoint)",
+        "group 1 " + healed.format(9) + "it dropped its own last 2 step(s): the lighthouse had split the quorum, and it trained "
+        "them on a branch of its own, which the kept branch trained too",
+        "group 1 " + healed.format(12) + "whether it dropped steps of its own cannot be told: it was further behind than the "
+        "steps whose digests are kept",
     ]
     assert lines.last_groups == {0: {0, 1}, 1: {0, 1}}
 

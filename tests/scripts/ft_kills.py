@@ -41,6 +41,7 @@ ft_train = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(ft_train)
 
 OUT = Path(sys.argv[1])
+ft_train.registered(OUT)
 GROUP, RESTART = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 

@@ -121,7 +121,15 @@ def _refusal(call) -> str:
     return "not refused"
 
 
+def registered(out: Path) -> None:
+    """This process's pid and start time in OUT/pids, so that a test that fails can end what its job left running
+    (workers forked from a zygote outlive their launcher)."""
+    (out / "pids").mkdir(exist_ok=True)
+    (out / "pids" / str(os.getpid())).write_text(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
 def main(out: Path) -> None:
+    registered(out)
     hold_at = int(os.environ.get("HOLD_AT", -1))
     die_group, die_batch = map(int, os.environ.get("DIE_AT", "-1:-1").split(":"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))

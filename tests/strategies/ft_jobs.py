@@ -1,12 +1,16 @@
 """Launching ``tests/scripts/ft_train.py`` under ``loom run --groups`` and reading what it trained: shared by the FT tests."""
 
+import contextlib
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import time
 from collections import Counter
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -42,11 +46,41 @@ def evaluated(weights: dict[str, torch.Tensor]) -> float:
     return loom.evaluate(model, F.cross_entropy, ft_train.evaluation_data(), batch_size=ft_train.BATCH, strategy=loom.OneDeviceStrategy("cpu"))["loss"]
 
 
+STARTED: list = []  # the jobs this test process started, ended by ``no_job_left`` after each test
+
+
 def start_job(out, *flags, env=None):
-    return popen(
+    return started(popen(
         [*LOOM, "run", *flags, str(SCRIPTS / "ft_train.py"), str(out)],
         cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", **(env or {})}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    ))  # fmt: skip
+
+
+def started(job):
+    STARTED.append(job)
+    return job
+
+
+@pytest.fixture(autouse=True)
+def no_job_left(tmp_path):
+    """After each test, whether it passed or not: its jobs' launchers killed, then any process of its scripts still
+    running (``ft_train.registered``: workers forked from a zygote outlive their launcher and would slow the tests after)."""
+    yield
+    while STARTED:
+        job = STARTED.pop()
+        if job.poll() is None:
+            job.kill()
+            with contextlib.suppress(Exception):
+                job.communicate(timeout=30)
+    for pid_file in Path(tmp_path).rglob("pids/*"):
+        end_if_still(int(pid_file.name), pid_file.read_text())
+
+
+def end_if_still(pid: int, start: str) -> None:
+    """SIGKILL ``pid`` if it is still the process that started at ``start`` (clock ticks since boot), not a reuse of its pid."""
+    with contextlib.suppress(OSError, IndexError):
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == start:
+            os.kill(pid, signal.SIGKILL)
 
 
 def finish(job, timeout):

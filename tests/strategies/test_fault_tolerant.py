@@ -30,7 +30,7 @@ pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # i
 from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
 from tests.netns import network, on_host, shape, why_no_namespaces  # noqa: E402
-from tests.strategies.ft_jobs import assert_close, assert_two_groups_trained_as_one_device, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, assert_two_groups_trained_as_one_device, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, no_job_left, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402, F401
 
 
 @pytest.mark.timeout(300)
@@ -171,6 +171,28 @@ def test_a_heals_state_is_loaded_as_tensors_and_plain_values_and_code_in_it_is_n
     assert not evil.marker.exists()
 
 
+def test_a_heal_tells_a_group_behind_on_its_own_branch_from_one_that_drops_steps_of_its_own(monkeypatch):
+    from loom.strategies.data_parallel import fault_tolerant_history
+    from loom.strategies.data_parallel.fault_tolerant_history import History
+
+    def trained(*quorums):
+        history = History()
+        for quorum in quorums:
+            history.advance(quorum)
+        return history
+
+    live = trained(1, 2, 3, 4, 5)
+    assert trained(1, 2, 3).take(live.state()) == 0  # left out of two quorums: behind on the same branch
+    assert History().take(live.state()) == 0  # restarted: nothing of its own
+    healed = trained(1, 2, 3, 9)  # a quorum of its own at the fourth step: a branch
+    assert healed.take(live.state()) == 1
+    assert (healed.value, healed.steps) == (live.value, live.steps)  # now on the live branch, digests and all
+    assert healed.take(live.state()) == 0
+    monkeypatch.setattr(fault_tolerant_history, "KEPT", 2)
+    live = trained(1, 2, 3, 4, 5)
+    assert trained(1, 2).take(live.state()) is None  # further behind than the digests kept
+
+
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():
     """As under ``strategy.accumulate(2)``: the next batch would take the same global batch again; or, after clipping
     (which summed the gradients and voted), be counted as trained."""
@@ -202,7 +224,8 @@ def test_groups_on_hosts_whose_names_resolve_nowhere_train_together_and_equal_on
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True))  # fmt: skip
                 return started[-1]
 
-            assert "listening on" in run("l", "lighthouse", "--port", "29611").stdout.readline()  # its first line: it listens
+            said = run("l", "lighthouse", "--port", "29611").stdout.readline()  # its first line: it listens, and says where
+            assert "listening on host-l:29611;" in said and f"--lighthouse {hosts['l']}:29611 " in said, said  # its name resolves nowhere
             jobs = [run(host, "run", "--lighthouse", f"{hosts['l']}:29611", "--groups", "2", "--group", str(g), "--nproc", "1", str(SCRIPTS / "ft_train.py"), str(tmp_path)) for g, host in enumerate("ab")]
             for job in jobs:
                 finish(job, 180)

@@ -13,6 +13,7 @@ the same weights, which equal OneDevice's on the global batches.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -24,7 +25,7 @@ import torch
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
 from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, popen  # noqa: E402
-from tests.strategies.ft_jobs import assert_close, finish, one_device, read_steps, samples_per_epoch  # noqa: E402
+from tests.strategies.ft_jobs import assert_close, finish, no_job_left, one_device, read_steps, samples_per_epoch, started  # noqa: E402, F401
 
 
 class Job:
@@ -34,11 +35,11 @@ class Job:
         self.out, self.deadline = out, time.monotonic() + timeout
         (out / "events").mkdir()
         self.allow(3)
-        self.proc = popen(
+        self.proc = started(popen(
             [*LOOM, "run", "--groups", str(groups), "--nproc", "1", "--max-restarts", str(restarts), str(SCRIPTS / "ft_kills.py"), str(out)],
             cwd=ROOT, env=job_env({"LOOM_TIMEOUT": "60", "LOOM_FT_EVENTS": str(out / "events"), **env}),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def allow(self, batches, group=None):
         name = "allow" if group is None else f"allow-{group}"
@@ -191,6 +192,44 @@ def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_o
     for epoch, count in samples_per_epoch(kept).items():
         assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
     assert any(s["g"] == 1 and s["restart"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end
+    final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1)}
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    assert_close(final[0], one_device()[0])
+
+
+@pytest.mark.timeout(300)
+def test_split_branches_that_meet_at_different_steps_heal_and_the_heal_says_what_it_dropped(tmp_path):
+    """As above, but group 0 trains batches 3 and 4 alone before group 1 trains batch 3 in a quorum of its own: the
+    branches meet a step apart, so torchft heals group 1 from group 0 instead of refusing the step. The heal says it
+    dropped group 1's own step; no sample is lost or doubled on the kept branch, and the groups end bit-identical."""
+    job = Job(tmp_path, {}, timeout=280, groups=2, restarts=1)
+    job.until(lambda: job.committed(0, 2) and job.committed(1, 2), "both groups train batch 2")
+    pids = {g: next(s["pid"] for s in job.steps() if s["g"] == g) for g in (0, 1)}
+    job.allow(5, group=0)
+    job.allow(3, group=1)
+    os.kill(pids[1], signal.SIGSTOP)
+    job.until(lambda: job.committed(0, 4), "group 0 trains batches 3 and 4 without group 1")
+    os.kill(pids[0], signal.SIGSTOP)  # waiting before batch 5's quorum
+    job.allow(4, group=1)
+    os.kill(pids[1], signal.SIGCONT)
+    job.until(lambda: job.committed(1, 3), "group 1 trains batch 3 in a quorum of its own")
+    os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for batch 5's first
+    job.allow(99, group=1)
+    job.allow(99, group=0)
+    sent = job.requests(0)
+    os.kill(pids[0], signal.SIGCONT)
+    job.until(lambda: (tmp_path / "asking-0").read_text() == "5" and job.requests(0) > sent, "group 0 asks for batch 5's quorum")
+    os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: they meet in one quorum, group 1 a step behind
+    err = finish(job.proc, max(job.deadline - time.monotonic(), 30))
+
+    steps = read_steps(tmp_path)
+    assert [s["groups"] for s in steps if s["batch"] == 3] in ([[0], [1]], [[1], [0]])  # the split
+    assert re.search(r"group 1 healed at batch \d+ in [\d.]+s \(.*\); it dropped its own last 1 step\(s\): the lighthouse had split the quorum", err), err[-3000:]
+    assert "trained other steps than" not in err  # not a meeting at one step
+    kept = [s for s in steps if not (s["g"] == 1 and s["batch"] == 3)]  # group 1's branch is dropped
+    for epoch, count in samples_per_epoch(kept).items():
+        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    assert any(s["g"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end, not restarted
     final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1)}
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     assert_close(final[0], one_device()[0])

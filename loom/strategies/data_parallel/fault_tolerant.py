@@ -123,6 +123,7 @@ class _AcrossGroups:
         self._healed_schedulers: list[dict[str, Any]] | None = None  # a live group's, to take after the heal's step
         self._heal_applied = False  # whether the heal's step applied
         self._history = History()  # the quorums of the steps applied: a split quorum's branches differ
+        self._dropped: int | None = 0  # steps of its own the last heal dropped (History.take)
         atexit.register(self._manager.shutdown, wait=False)
 
     def _join_groups(self) -> Any:
@@ -205,7 +206,7 @@ class _AcrossGroups:
             schedulers = [s.state_dict() for s in self._schedulers]
             model = {key: self._local(value) for key, value in module.state_dict().items()}  # process r's parts heal process r
             optimizer = self._local_optimizer_state(inner)
-            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.value, "clip": self._clip}
+            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.state(), "clip": self._clip}
 
         def load(saved: dict[str, Any]) -> None:
             with torch.no_grad():
@@ -214,7 +215,7 @@ class _AcrossGroups:
             inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
             self._healed_schedulers = saved["schedulers"]
             self._clip = saved["clip"]
-            self._history.value = saved["history"]
+            self._dropped = self._history.take(saved["history"])
 
         self._manager.register_state_dict_fn("loom", load, state)
         self._start(module)
@@ -434,7 +435,7 @@ class _AcrossGroups:
             self._optimizer.zero_grad(set_to_none=True)
         self._take_schedulers()
         if self._heal_applied:
-            self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started)
+            self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started, dropped=self._dropped)
 
     # ---- LR schedulers -------------------------------------------------------------------------
     def train_step(
