@@ -8,7 +8,7 @@ setting (the allocator) is measured as it is used:
 - ``plain eager``: hand-written PyTorch, ``python`` for one process, ``torchrun`` and
   ``DistributedDataParallel`` for two (glibc's allocator as it comes);
 - ``loom defaults``: ``loom run --nproc N`` and ``strategy.prepare(model, opt)``, nothing else
-  (the exact fast path: glibc tunables from the launcher, ``pool_before_relu``);
+  (the exact fast path: glibc tunables from the launcher, ``pool_before_relu``, ``pool_nhwc``);
 - ``loom fast_path=True`` (with ``--trial``): the inexact candidates too, chosen by the trial on
   the first batch (the choice's line is kept).
 
@@ -38,7 +38,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -5,7 +5,7 @@
 One process, ``--threads`` intra-op threads, fp32 and bf16-mixed (torch), the global batch of
 bench/workloads.py's W2. Each operator's time is its minimum over ``--steps`` profiled steps
 (robust to a busy machine's slow spells); the step's own minimum and median are beside it, with
-its minor page faults. torch: ``torch.profiler`` self CPU time, contiguous, channels_last alone,
+its minor page faults. torch: ``torch.profiler`` self CPU time, contiguous, channels_last alone, loom's exact defaults,
 and the fast path (channels_last with its edges, pool_before_relu, reuse_memory), fp32 and bf16-mixed. TensorFlow 2.21 (in .venv-tf, when it
 exists): the same network in its own ops (Conv2D+BiasAdd+Relu, as Keras builds it, MaxPool,
 Reshape, MatMul, momentum SGD), per-node times from a full trace of a graph Session, which runs
@@ -62,16 +62,20 @@ def torch_profile(steps: int, threads: int, batch: int) -> dict:
 
     sys.path.insert(0, str(ROOT))
     from bench.workloads import small_cnn
-    from loom.fast import allocator, fast_path
+    from loom.fast import allocator, exact, fast_path
 
     torch.set_num_threads(threads)
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     results = {}
-    for config in ("contiguous", "channels_last", "fast path: channels_last+pool_before_relu+reuse_memory", "bf16-mixed, fast path: channels_last+pool_before_relu+reuse_memory"):
+    configs = ("contiguous", "channels_last", "loom defaults (exact): pool_before_relu+pool_nhwc+reuse_memory",
+               "fast path: channels_last+pool_before_relu+reuse_memory", "bf16-mixed, fast path: channels_last+pool_before_relu+reuse_memory")  # fmt: skip
+    for config in configs:
         torch.manual_seed(0)
         model = small_cnn()
         if config == "channels_last":  # the layout alone, without the fast path's edges
             model = model.to(memory_format=torch.channels_last)
+        if config.startswith("loom defaults"):  # what prepare applies without being asked
+            exact.apply(model, None)
         if "fast path" in config:
             fast_path.apply(model, fast_path.FastPath(channels_last=True))
             fast_path.pool_before_relu(model, True)

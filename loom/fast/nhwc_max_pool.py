@@ -15,10 +15,10 @@ more than they save: eager's runs.
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loom.compat import inside_functorch_transform, swap_class
@@ -30,22 +30,43 @@ MIN_ELEMENTS = 1 << 18  # below it (1 MiB of fp32) the copies cost more than the
 class _NhwcPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, options: tuple) -> torch.Tensor:
-        out, indices = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), *options)
-        ctx.save_for_backward(x, indices.contiguous())  # what eager's autograd saves: the input and its indices
+        out, indices = _pooled(x, options)
+        ctx.save_for_backward(x, indices)  # what eager's autograd saves: the input and its indices
+        ctx.save_for_forward(indices)
         ctx.options = options
-        return out.contiguous()
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         x, indices = ctx.saved_tensors
         return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, *ctx.options, indices), None
 
+    @staticmethod
+    def jvp(ctx: Any, tangent: torch.Tensor, _: None) -> torch.Tensor:
+        """Forward-mode AD, as eager's formula: the tangent of each window's chosen element."""
+        (indices,) = ctx.saved_tensors
+        return tangent.flatten(-2).gather(-1, indices.flatten(-2)).view_as(indices)
+
+
+def _pooled(x: torch.Tensor, options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and indices of the channels_last kernel, laid out as eager's (contiguous)."""
+    out, indices = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), *options)
+    return _contiguous(out), _contiguous(indices)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with eager's strides. A channels_last result with 1x1 sides already counts as contiguous
+    but keeps channels_last strides, which a convolution after it would take for that layout."""
+    t = t.contiguous()
+    n, c, h, w = t.shape
+    return t if t.stride() == (c * h * w, h * w, w, 1) else torch.empty(t.shape, dtype=t.dtype).copy_(t)
+
 
 def takes(x: Any) -> bool:
     """Whether eager's contiguous kernel would pool this batch and the channels_last one can do it
-    faster: a 4-D contiguous CPU batch of enough channels, outside tracing, ``torch.compile`` and
-    ``torch.func`` transforms (which take eager's pool)."""
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.device.type != "cpu" or not x.is_floating_point():
+    faster: a 4-D contiguous (strided) CPU batch of enough channels, outside tracing,
+    ``torch.compile`` and ``torch.func`` transforms (which take eager's pool)."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.device.type != "cpu" or x.layout != torch.strided or not x.is_floating_point():
         return False
     if x.shape[1] < MIN_CHANNELS or x.numel() < MIN_ELEMENTS or not x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
         return False
@@ -54,21 +75,22 @@ def takes(x: Any) -> bool:
 
 class NhwcMaxPool2d(nn.MaxPool2d):
     """An ``nn.MaxPool2d`` that pools a contiguous CPU batch through the channels_last kernel; any
-    other input, or a module set to return its indices, runs eager's."""
+    other input, or a module set to return its indices, runs eager's. ``torch.jit.script``
+    compiles eager's pool in its place, and leaves the module as it is."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():  # nn.MaxPool2d's forward
+            return F.max_pool2d(input, self.kernel_size, self.stride, self.padding, self.dilation, ceil_mode=self.ceil_mode, return_indices=self.return_indices)
+        return self._pool(input)
+
+    @torch.jit.unused
+    def _pool(self, input: torch.Tensor) -> torch.Tensor:
         if self.return_indices or not takes(input):
             return super().forward(input)
         options = (self.kernel_size, self.stride if self.stride is not None else [], self.padding, self.dilation, self.ceil_mode)
         if not (input.requires_grad and torch.is_grad_enabled()):
-            return torch.ops.aten.max_pool2d_with_indices(input.contiguous(memory_format=torch.channels_last), *options)[0].contiguous()
+            return _pooled(input, options)[0]
         return _NhwcPool.apply(input, options)
-
-    def __prepare_scriptable__(self) -> nn.MaxPool2d:
-        """What ``torch.jit.script`` compiles: eager's module (the same values)."""
-        plain = copy.copy(self)
-        swap_class(plain, nn.MaxPool2d)
-        return plain
 
 
 def use(module: nn.Module) -> int:

@@ -29,7 +29,7 @@ from loom.devices import cuda_count, thread_budget
 from loom.errors import LaunchError
 from loom.fast import allocator
 from loom.launch.parent import die_with_parent
-from loom.launch.torchrun import LaunchOptions, interface_addresses, interface_towards, name_resolves, run_job
+from loom.launch.torchrun import LaunchOptions, address_towards, interface_addresses, interface_towards, name_resolves, run_job
 from loom.launch.zygote import ForkedWorker, Forker
 
 # A group whose heartbeat the lighthouse has not heard for this long is out of the next quorum:
@@ -77,6 +77,8 @@ def _reach(address: str) -> str:
     name where it resolves, else by one of this host's addresses, which are listed."""
     port = address.rpartition(":")[2]
     addresses = [ip for ip in interface_addresses().values() if not ipaddress.ip_address(ip).is_loopback]
+    routed = address_towards("192.0.2.1")  # the default route's (a documentation address: nothing is sent)
+    addresses.sort(key=lambda ip: ip != routed)
     at = address if name_resolves() or not addresses else f"{addresses[0]}:{port}"
     listed = f" (this host's addresses: {', '.join(addresses)})" if addresses else ""
     return f"on each group's host: loom run --lighthouse {at} --groups G --group I --nproc N script.py{listed}"
@@ -87,7 +89,7 @@ def _dropped(steps: int | None) -> str:
     if steps == 0:
         return ""
     if steps is None:
-        return "; whether it dropped steps of its own cannot be told: it was further behind than the steps whose digests are kept"
+        return "; whether it dropped steps of its own cannot be told: its branch, or how far it was behind, goes past the steps whose digests are kept"
     return (
         f"; it dropped its own last {steps} step(s): the lighthouse had split the quorum, and it trained them on a branch "
         "of its own, which the kept branch trained too"

@@ -182,13 +182,18 @@ def interface_towards(address: str) -> str | None:
     name does not resolve: the other nodes then cannot connect ("Connection refused"). The
     interface that routes to the master is the one the other nodes can reach.
     """
+    local = address_towards(address)
+    return next((name for name, ip in interface_addresses().items() if ip == local), None) if local else None
+
+
+def address_towards(address: str) -> str | None:
+    """This host's IPv4 address on the route to ``address``, or None where there is no route."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
             probe.connect((address, 9))  # UDP: picks the route, sends nothing
-            local = probe.getsockname()[0]
+            return probe.getsockname()[0]
     except OSError:
         return None
-    return next((name for name, ip in interface_addresses().items() if ip == local), None)
 
 
 def interface_addresses() -> dict[str, str]:

@@ -133,7 +133,7 @@ class Strategy(TFNames, ABC):
 
         The module passed in stays usable and holds the trained parameters (``loom.unwrap``
         returns it from the wrapped one). Returns ``model`` alone when no optimizer is given.
-        On CPU the exact speed-ups (``reuse_memory``, ``pool_before_relu``: they change no number)
+        On CPU the exact speed-ups (``reuse_memory``, ``pool_before_relu``, ``pool_nhwc``: they change no number)
         are on, said in one line; ``fast_path=False`` turns them off (``loom.fast.exact``).
         ``fast_path=True`` (or a list of candidates) also times the inexact ones (channels_last,
         pool_kernel, torch.compile) against eager on ``example_input`` (one batch of this replica's

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fw
 import torch.nn.functional as F
 from torch import nn
 
@@ -10,7 +11,7 @@ from loom.fast import nhwc_max_pool, window_max_pool
 from loom.fast.nhwc_max_pool import NhwcMaxPool2d
 from tests.fast.test_fast_path import kept_memory  # noqa: F401 -- a fixture
 
-BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float64: torch.int64}
 OPTIONS = [  # kernel, stride, padding, dilation, ceil_mode
     dict(kernel_size=2),
     dict(kernel_size=3, stride=2, padding=1),
@@ -50,15 +51,39 @@ def pooled(x: torch.Tensor, options: dict, nhwc: bool) -> tuple[torch.Tensor, to
     return out, leaf.grad, type(out.grad_fn).__name__
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
 def test_outputs_and_gradients_are_eagers_bit_for_bit(dtype, options):
     x = crafted(dtype, side=65 if options.get("ceil_mode") else 64)
     want, want_grad, eager = pooled(x, options, nhwc=False)
     got, got_grad, ours = pooled(x, options, nhwc=True)
     assert eager == "MaxPool2DWithIndicesBackward0" and ours == "_NhwcPoolBackward"  # the channels_last kernel ran
-    assert got.is_contiguous() and got_grad.is_contiguous()
+    assert got.stride() == want.stride() and got_grad.stride() == want_grad.stride()
     assert same(got, want) and same(got_grad, want_grad)
+
+
+def test_a_global_pool_gives_eagers_strides_so_what_follows_computes_alike():
+    """A channels_last result of 1x1 sides counts as contiguous but keeps channels_last strides; a convolution after
+    it would take that layout, and round differently."""
+    x = torch.randn(64, 64, 8, 8, generator=torch.Generator().manual_seed(0))
+    plain, fast, conv = nn.MaxPool2d(8), nn.MaxPool2d(8), nn.Conv2d(64, 32, 1)
+    nhwc_max_pool.use(nn.Sequential(fast))
+    for leaf in (x, x.clone().requires_grad_()):
+        assert fast(leaf).stride() == plain(leaf).stride() == (64, 1, 1, 1)
+        assert torch.equal(conv(fast(leaf)), conv(plain(leaf)))
+
+
+def test_forward_mode_gradients_are_eagers():
+    x = crafted(torch.float32).nan_to_num(0.0)
+    tangent = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    plain, fast = nn.MaxPool2d(2), nn.MaxPool2d(2)
+    nhwc_max_pool.use(nn.Sequential(fast))
+    with fw.dual_level():
+        duals = [pool(fw.make_dual(x.clone().requires_grad_(), tangent)) for pool in (plain, fast)]
+        assert type(duals[1].grad_fn).__name__ == "_NhwcPoolBackward"
+        want, got = (fw.unpack_dual(d) for d in duals)
+        assert torch.equal(got.primal, want.primal) and torch.equal(got.tangent, want.tangent)
+    assert torch.equal(torch.func.jvp(fast, (x,), (tangent,))[1], torch.func.jvp(plain, (x,), (tangent,))[1])
 
 
 def test_inference_and_a_gradient_penalty_are_eagers():
@@ -82,6 +107,7 @@ def test_batches_it_would_not_speed_up_run_eagers_pool():
     x = crafted(torch.float32).requires_grad_()
     for batch in (x[:, :8], x[:, :, :16, :16], x.contiguous(memory_format=torch.channels_last), x.transpose(2, 3), x[0]):
         assert type(pool(batch).grad_fn).__name__ == "MaxPool2DWithIndicesBackward0"  # few channels, small, channels_last, strided, unbatched
+    assert pool(x.detach().to_mkldnn()).layout == torch._mkldnn  # oneDNN's own layout
     pool.return_indices = True
     assert len(pool(x)) == 2
     pool.return_indices = False
@@ -97,7 +123,17 @@ def test_pool_kernel_takes_the_pool_and_gives_it_back_as_it_was():
     assert type(net[0](crafted(torch.float32).requires_grad_()).grad_fn).__name__ == "_NhwcPoolBackward"  # contiguous: pool_nhwc's
     window_max_pool.use(window_max_pool.pools(net), False)
     assert type(net[0]) is NhwcMaxPool2d and not {"kernels", "plain_class"} & set(vars(net[0]))
-    assert type(torch.jit.script(net)[0]).__name__ != "NhwcMaxPool2d"
+
+
+def test_torchscript_compiles_eagers_pool_and_leaves_the_model_as_it_was():
+    net = nn.Sequential(nn.MaxPool2d(2))
+    nhwc_max_pool.use(net)
+    pool, x = net[0], crafted(torch.float32)
+    scripted = torch.jit.script(net)
+    assert net[0] is pool and type(pool) is NhwcMaxPool2d  # torch writes what __prepare_scriptable__ gives back into the model
+    compiled = scripted._modules["0"]
+    assert compiled.original_name == "NhwcMaxPool2d" and "_max_pool2d\n" in compiled.code  # eager's, in TorchScript
+    assert same(scripted(x), F.max_pool2d(x, 2))
 
 
 def test_a_cnn_trains_at_the_defaults_bit_for_bit_as_plain_eager(capsys, kept_memory):  # noqa: F811

@@ -215,7 +215,8 @@ class _AcrossGroups:
             inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
             self._healed_schedulers = saved["schedulers"]
             self._clip = saved["clip"]
-            self._dropped = self._history.take(saved["history"])
+            dropped = self._history.take(saved["history"])  # a heal whose step fails is taken again: the first one's finding stands
+            self._dropped = dropped if self._dropped == 0 else self._dropped
 
         self._manager.register_state_dict_fn("loom", load, state)
         self._start(module)
@@ -436,6 +437,7 @@ class _AcrossGroups:
         self._take_schedulers()
         if self._heal_applied:
             self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started, dropped=self._dropped)
+            self._dropped = 0
 
     # ---- LR schedulers -------------------------------------------------------------------------
     def train_step(
