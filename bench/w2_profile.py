@@ -39,7 +39,7 @@ KINDS = [
     ("max-pool backward", r"max_pool2d_with_indices_backward|MaxPoolGrad"),
     ("linear forward and backward", r"addmm|aten::mm$|MatMul$"),
     ("bias gradients", r"aten::sum$|BiasAddGrad|^Sum$"),
-    ("layout copies (Flatten)", r"aten::copy_|Reshape|Transpose"),
+    ("layout copies (Flatten, pool_nhwc)", r"aten::copy_|Reshape|Transpose"),
     ("zero fills", r"aten::fill_|aten::zero_|^Fill$|ZerosLike"),
     ("loss", r"softmax|nll_loss|SparseSoftmax"),
     ("optimizer", r"aten::add_|aten::mul_|_foreach|ApplyMomentum"),
