@@ -156,31 +156,38 @@ def test_two_groups_killed_at_once_and_kills_during_healing_lose_and_double_no_s
     assert "batch 2 not applied" in err and "group 1 left at batch 2" in err and "group 2 left at batch 2" in err
 
 
-@pytest.mark.timeout(300)
-def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_other(tmp_path):
-    """Group 1 is stopped (SIGSTOP) until its heartbeat lapses: group 0 trains batch 3 alone. Then group 0 is
-    stopped in turn, outside any quorum, and group 1 goes on: it forms a quorum of its own and trains batch 3 as
-    well. When they meet at the same step, group 1 (the higher group) leaves with one line, restarts and heals
-    from group 0."""
-    job = Job(tmp_path, {}, timeout=280, groups=2, restarts=1)
+def split_and_meet(job, ahead, group_0_allowed):
+    """Group 1 is stopped (SIGSTOP) until its heartbeat lapses: group 0 trains ``ahead`` batches from batch 3 alone.
+    Then group 0 is stopped in turn, outside any quorum, and group 1 goes on: it forms a quorum of its own and trains
+    batch 3 as well. Then both ask for their next quorum, group 0 first (allowed batches below ``group_0_allowed``),
+    and group 1 before its heartbeat lapses, so that the branches meet in one quorum."""
     job.until(lambda: job.committed(0, 2) and job.committed(1, 2), "both groups train batch 2")
     pids = {g: next(s["pid"] for s in job.steps() if s["g"] == g) for g in (0, 1)}
-    job.allow(4, group=0)
+    job.allow(3 + ahead, group=0)
     job.allow(3, group=1)
     os.kill(pids[1], signal.SIGSTOP)
-    job.until(lambda: job.committed(0, 3), "group 0 trains batch 3 without group 1")
-    os.kill(pids[0], signal.SIGSTOP)  # waiting before batch 4's quorum
+    job.until(lambda: job.committed(0, 2 + ahead), f"group 0 trains {ahead} batch(es) from batch 3 without group 1")
+    os.kill(pids[0], signal.SIGSTOP)  # waiting before its next quorum
     job.allow(4, group=1)
     os.kill(pids[1], signal.SIGCONT)
     job.until(lambda: job.committed(1, 3), "group 1 trains batch 3 in a quorum of its own")
-    os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for it first
+    os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for its next first
     job.allow(99, group=1)
-    job.allow(5, group=0)
+    job.allow(group_0_allowed, group=0)
     sent = job.requests(0)
     os.kill(pids[0], signal.SIGCONT)
     # its request sent (which also stands for its lapsed heartbeat): group 1, woken next, meets it in one quorum
-    job.until(lambda: (tmp_path / "asking-0").read_text() == "4" and job.requests(0) > sent, "group 0 asks for batch 4's quorum")
-    os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: group 0 alone is not a quorum, they meet at one step
+    asking = str(3 + ahead)
+    job.until(lambda: (job.out / "asking-0").read_text() == asking and job.requests(0) > sent, f"group 0 asks for batch {asking}'s quorum")
+    os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: group 0 alone is not a quorum
+
+
+@pytest.mark.timeout(300)
+def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_other(tmp_path):
+    """The branches of a split quorum (``split_and_meet``) meet at one step: group 1 (the higher group) leaves with one
+    line, restarts and heals from group 0."""
+    job = Job(tmp_path, {}, timeout=280, groups=2, restarts=1)
+    split_and_meet(job, ahead=1, group_0_allowed=5)  # group 0 holds after batch 4 until group 1 is back
     job.until(lambda: job.joining(1, 1), "group 1, which left, restarts")
     job.allow(99, group=0)
     err = finish(job.proc, max(job.deadline - time.monotonic(), 30))
@@ -188,11 +195,16 @@ def test_a_split_quorum_is_found_when_its_branches_meet_and_one_heals_from_the_o
     steps = read_steps(tmp_path)
     assert [s["groups"] for s in steps if s["batch"] == 3 and s["restart"] == 0] in ([[0], [1]], [[1], [0]])  # the split
     assert "LaunchError: group 1 trained other steps than group 0 (the lighthouse split the quorum" in err, err[-3000:]
-    kept = [s for s in steps if not (s["g"] == 1 and s["restart"] == 0 and s["batch"] >= 3)]  # group 1's branch is dropped
+    assert_the_kept_branch_trained_every_sample_once(tmp_path, [s for s in steps if not (s["g"] == 1 and s["restart"] == 0 and s["batch"] >= 3)])
+    assert any(s["g"] == 1 and s["restart"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end
+
+
+def assert_the_kept_branch_trained_every_sample_once(out, kept):
+    """Every sample once in the steps of the branch kept (group 1's own are dropped), and both groups end bit-identical,
+    equal to OneDevice."""
     for epoch, count in samples_per_epoch(kept).items():
         assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
-    assert any(s["g"] == 1 and s["restart"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end
-    final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1)}
+    final = {g: torch.load(out / f"final-{g}-0.pt") for g in (0, 1)}
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
     assert_close(final[0], one_device()[0])
 
@@ -203,33 +215,12 @@ def test_split_branches_that_meet_at_different_steps_heal_and_the_heal_says_what
     branches meet a step apart, so torchft heals group 1 from group 0 instead of refusing the step. The heal says it
     dropped group 1's own step; no sample is lost or doubled on the kept branch, and the groups end bit-identical."""
     job = Job(tmp_path, {}, timeout=280, groups=2, restarts=1)
-    job.until(lambda: job.committed(0, 2) and job.committed(1, 2), "both groups train batch 2")
-    pids = {g: next(s["pid"] for s in job.steps() if s["g"] == g) for g in (0, 1)}
-    job.allow(5, group=0)
-    job.allow(3, group=1)
-    os.kill(pids[1], signal.SIGSTOP)
-    job.until(lambda: job.committed(0, 4), "group 0 trains batches 3 and 4 without group 1")
-    os.kill(pids[0], signal.SIGSTOP)  # waiting before batch 5's quorum
-    job.allow(4, group=1)
-    os.kill(pids[1], signal.SIGCONT)
-    job.until(lambda: job.committed(1, 3), "group 1 trains batch 3 in a quorum of its own")
-    os.kill(pids[1], signal.SIGSTOP)  # waiting before batch 4's quorum, while group 0 asks for batch 5's first
-    job.allow(99, group=1)
-    job.allow(99, group=0)
-    sent = job.requests(0)
-    os.kill(pids[0], signal.SIGCONT)
-    job.until(lambda: (tmp_path / "asking-0").read_text() == "5" and job.requests(0) > sent, "group 0 asks for batch 5's quorum")
-    os.kill(pids[1], signal.SIGCONT)  # before its heartbeat lapses: they meet in one quorum, group 1 a step behind
+    split_and_meet(job, ahead=2, group_0_allowed=99)
     err = finish(job.proc, max(job.deadline - time.monotonic(), 30))
 
     steps = read_steps(tmp_path)
     assert [s["groups"] for s in steps if s["batch"] == 3] in ([[0], [1]], [[1], [0]])  # the split
     assert re.search(r"group 1 healed at batch \d+ in [\d.]+s \(.*\); it dropped its own last 1 step\(s\): the lighthouse had split the quorum", err), err[-3000:]
     assert "trained other steps than" not in err  # not a meeting at one step
-    kept = [s for s in steps if not (s["g"] == 1 and s["batch"] == 3)]  # group 1's branch is dropped
-    for epoch, count in samples_per_epoch(kept).items():
-        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    assert_the_kept_branch_trained_every_sample_once(tmp_path, [s for s in steps if not (s["g"] == 1 and s["batch"] == 3)])
     assert any(s["g"] == 1 and s["batch"] == 15 for s in steps)  # healed and trained to the end, not restarted
-    final = {g: torch.load(tmp_path / f"final-{g}-0.pt") for g in (0, 1)}
-    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
-    assert_close(final[0], one_device()[0])
