@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PYTHON) bench/pipeline.py
 	$(PYTHON) bench/gpt.py
 	$(PYTHON) bench/fast_path.py
+	$(PYTHON) bench/pool_nhwc.py
 	$(PYTHON) bench/xla.py
 	$(PYTHON) bench/collective_record.py
 	$(PYTHON) bench/breakdown_overhead.py
