@@ -7,6 +7,8 @@ Two measures, each at one and two intra-op threads:
 - **the pool alone**, forward and backward, on W2's two pools (at the global batch, 256, and at a
   two-process job's share, 128), a ResNet stem's pool, a late small pool, and a batch of 8
   channels, which ``pool_nhwc`` leaves to eager's kernel (its ratio shows the cost of asking);
+  and, with the channels_last path forced, a batch of 3 channels and a small one: the two
+  bounds below which ``pool_nhwc`` leaves the batch to eager's kernel;
 - **W2's training step** at loom's exact defaults, with ``pool_nhwc`` and with its pools handed
   back to ``nn.MaxPool2d`` (``reuse_memory`` and ``pool_before_relu`` in both, so the allocator is in the
   same state for both).
@@ -23,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 from typing import Callable
 
 import torch
@@ -42,6 +45,11 @@ POOLS = {  # name: (input shape, kernel, stride, padding)
     "ResNet stem, 3x3/2": ((32, 64, 112, 112), 3, 2, 1),
     "late 2x2, 256 channels": ((64, 256, 14, 14), 2, 2, 0),
     "8 channels (eager's)": ((128, 8, 32, 32), 2, 2, 0),
+}
+FORCED = {  # at and below MIN_CHANNELS and MIN_ELEMENTS, the channels_last path forced: why eager's runs below
+    "3 channels, forced": ((8, 3, 224, 224), 2, 2, 0),
+    "8x16x8x8, forced": ((8, 16, 8, 8), 2, 2, 0),
+    "64x16x8x8 (the bound)": ((64, 16, 8, 8), 2, 2, 0),
 }
 
 
@@ -73,6 +81,12 @@ def pool_alone(shape: tuple, k: int, stride: int, padding: int, repeats: int, ro
         return run
 
     return interleaved(timed(plain), timed(fast), rounds)
+
+
+def forced(shape: tuple, k: int, stride: int, padding: int, repeats: int, rounds: int) -> dict[str, object]:
+    """``pool_alone`` with the channels_last path taken whatever the batch."""
+    with mock.patch.multiple(nhwc_max_pool, MIN_CHANNELS=1, MIN_ELEMENTS=0):
+        return pool_alone(shape, k, stride, padding, repeats, rounds)
 
 
 def w2_steps(batch: int, steps: int, rounds: int) -> dict[str, object]:
@@ -132,8 +146,8 @@ def main() -> None:
     for threads in (1, 2):
         torch.set_num_threads(threads)
         rows = results.setdefault(str(threads), {})
-        for name, (shape, k, stride, padding) in POOLS.items():
-            rows[name] = pool_alone(shape, k, stride, padding, args.repeats, args.rounds)
+        for name, (shape, k, stride, padding) in {**POOLS, **FORCED}.items():
+            rows[name] = (forced if name in FORCED else pool_alone)(shape, k, stride, padding, args.repeats, args.rounds)
             print(f"{threads} thread(s)  {name:24s} eager {rows[name]['ms']['eager']:6.2f} ms  pool_nhwc {rows[name]['ms']['pool_nhwc']:6.2f} ms  {rows[name]['gain']:.2f}x", flush=True)
         for batch in (256, 128):
             name = f"W2 training step, batch {batch}"

@@ -16,8 +16,8 @@ applies them; ``fast_path=False`` turns them off, ``loom.fast.exact``):
 - ``"pool_nhwc"``: an ``nn.MaxPool2d`` given a contiguous (NCHW) CPU batch of 16 channels or more
   pools a channels_last copy of it with eager's channels_last kernel, which compares a vector of
   channels at a time where the contiguous one compares one element (``loom.fast.nhwc_max_pool``):
-  the same windows scanned alike, so the same outputs, indices and gradients; W2's step 1.16x
-  faster (``bench/pool_nhwc.py``).
+  the same windows scanned alike, so the same outputs, indices and gradients; W2's step
+  1.15-1.17x faster (``bench/pool_nhwc.py``).
 
 Inexact candidates round differently from eager, so they are opt-in (``fast_path=True`` or a
 list, with ``example_input``), timed against eager on that batch and kept only if faster and

@@ -3,15 +3,16 @@
 ATen pools a contiguous CPU input one output element at a time, and its channels_last kernel a
 vector of channels at a time: on W2's first pool (256x32x32x32 fp32, two threads, forward) 24 ms
 against 3.5 ms, a quarter of the step at loom's defaults. Copying the input to channels_last,
-pooling it there and copying the output and indices back makes W2's two pools 1.4-2.0x faster,
-forward and backward, and its step 1.16x (``bench/pool_nhwc.py``).
+pooling it there and copying the output and indices back makes W2's two pools 1.4-1.9x faster,
+forward and backward, and its step 1.15-1.17x (``bench/pool_nhwc.py``).
 
 It changes no number. Both kernels scan each window in the same order from the same start with
 the same comparison (``val > max || isnan(val)``), so the output and the indices are eager's bit
-for bit (the sign of a zero included; NaN payloads aside: eager's bf16 kernel passes a NaN through fp32), and the gradient is eager's own backward
-on those indices. With fewer channels than ``MIN_CHANNELS`` (a vector of fp32) the channels_last
-kernel has nothing to run in parallel, and on a small batch (``MIN_ELEMENTS``) the copies cost
-more than they save: eager's runs.
+for bit (the sign of a zero included; NaN payloads aside: eager's bf16 kernel passes a NaN
+through fp32), and the gradient is eager's own backward on those indices. With fewer channels
+than ``MIN_CHANNELS`` (a vector of fp32) the channels_last kernel has nothing to run in
+parallel, and on a small batch (``MIN_ELEMENTS``) the copies cost more than they save: eager's
+runs. ``bench/pool_nhwc.py`` measures both bounds (its "forced" rows).
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ from torch import nn
 
 from loom.compat import inside_functorch_transform, swap_class
 
-MIN_CHANNELS = 16  # one AVX-512 vector of fp32: below it the channels_last kernel loses (3 channels: 4.6 against 3.2 ms)
-MIN_ELEMENTS = 1 << 18  # below it (1 MiB of fp32) the copies cost more than the kernel saves (64x16x8x8: 0.31 against 0.15 ms)
+MIN_CHANNELS = 16  # one AVX-512 vector of fp32: below it the channels_last kernel loses
+MIN_ELEMENTS = 1 << 16  # below it the copies cost more than the kernel saves (8x16x8x8: half eager's speed)
 
 
 class _NhwcPool(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, options: tuple) -> torch.Tensor:
-        out, indices = _pooled(x, options)
+        out, indices = (_contiguous(t) for t in _pooled(x, options))
         ctx.save_for_backward(x, indices)  # what eager's autograd saves: the input and its indices
         ctx.save_for_forward(indices)
         ctx.options = options
@@ -50,9 +51,8 @@ class _NhwcPool(torch.autograd.Function):
 
 
 def _pooled(x: torch.Tensor, options: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Output and indices of the channels_last kernel, laid out as eager's (contiguous)."""
-    out, indices = torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), *options)
-    return _contiguous(out), _contiguous(indices)
+    """Output and indices of the channels_last kernel, channels_last."""
+    return torch.ops.aten.max_pool2d_with_indices(x.contiguous(memory_format=torch.channels_last), *options)
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +89,8 @@ class NhwcMaxPool2d(nn.MaxPool2d):
         if self.return_indices or not takes(input):
             return super().forward(input)
         options = (self.kernel_size, self.stride if self.stride is not None else [], self.padding, self.dilation, self.ceil_mode)
-        if not (input.requires_grad and torch.is_grad_enabled()):
-            return _pooled(input, options)[0]
+        if not (input.requires_grad and torch.is_grad_enabled()):  # no indices to keep
+            return _contiguous(_pooled(input, options)[0])
         return _NhwcPool.apply(input, options)
 
 
