@@ -76,7 +76,7 @@ def _reach(address: str) -> str:
     """How the groups' hosts reach a lighthouse at ``address`` (this host's name and port): by that
     name where it resolves, else by one of this host's addresses, which are listed."""
     port = address.rpartition(":")[2]
-    addresses = [ip for ip in interface_addresses().values() if not ipaddress.ip_address(ip).is_loopback]
+    addresses = [ip for ip in interface_addresses().values() if not _loopback(ip)]
     routed = address_towards("192.0.2.1")  # the default route's (a documentation address: nothing is sent)
     addresses.sort(key=lambda ip: ip != routed)
     at = address if name_resolves() or not addresses else f"{addresses[0]}:{port}"

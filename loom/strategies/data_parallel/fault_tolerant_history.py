@@ -47,9 +47,8 @@ class History:
         group was behind on the live group's branch, None when its branch is older than the digests
         kept."""
         theirs, own = live["recent"], self.steps
-        common = next((k for k in range(own, own - KEPT, -1) if k in self.recent and theirs.get(k) == self.recent[k]), None)
-        if own == 0:  # a group that has applied no step (restarted) has none to drop
-            common = 0
+        shared = (k for k in range(own, own - KEPT, -1) if k in self.recent and theirs.get(k) == self.recent[k])
+        common = 0 if own == 0 else next(shared, None)  # a group that applied no step (restarted) has none to drop
         self.value, self.steps, self.recent = live["value"], live["steps"], dict(theirs)
         return None if common is None else own - common
 
