@@ -125,7 +125,12 @@ def registered(out: Path) -> None:
     """This process's pid and start time in OUT/pids, so that a test that fails can end what its job left running
     (workers forked from a zygote outlive their launcher)."""
     (out / "pids").mkdir(exist_ok=True)
-    (out / "pids" / str(os.getpid())).write_text(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    (out / "pids" / str(os.getpid())).write_text(started_at("self"))
+
+
+def started_at(pid: str) -> str:
+    """When a process started, in clock ticks since boot (/proc/PID/stat's 22nd field): with its pid, who it is."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
 def main(out: Path) -> None:

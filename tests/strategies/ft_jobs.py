@@ -79,7 +79,7 @@ def no_job_left(tmp_path):
 def end_if_still(pid: int, start: str) -> None:
     """SIGKILL ``pid`` if it is still the process that started at ``start`` (clock ticks since boot), not a reuse of its pid."""
     with contextlib.suppress(OSError, IndexError):
-        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == start:
+        if ft_train.started_at(str(pid)) == start:
             os.kill(pid, signal.SIGKILL)
 
 
