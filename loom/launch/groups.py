@@ -124,6 +124,26 @@ def check_lighthouse(address: str) -> tuple[str, str]:
     return f"http://{host}:{port}", here
 
 
+def _given_address() -> str | None:
+    """``LOOM_GROUP_ADDRESS`` where set: an IP address, or a name that resolves here; one line otherwise."""
+    value = os.environ.get(ADDRESS_ENV)
+    if not value:
+        return None
+    try:
+        ipaddress.ip_address(value.split("%")[0])
+        return value
+    except ValueError:
+        pass
+    try:
+        socket.getaddrinfo(value, None)
+    except OSError:
+        raise LaunchError(
+            f"{ADDRESS_ENV}={value!r} is neither an IP address nor a host name that resolves: set it to the address where "
+            "the other groups' hosts reach this one, or unset it (this host's address towards the lighthouse is the default)"
+        ) from None
+    return value
+
+
 def _loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address.split("%")[0]).is_loopback
@@ -156,7 +176,7 @@ def run_groups(entry: list[str], opts: LaunchOptions, groups: int, lighthouse: s
         lighthouse = server.address()
     else:  # other groups may be on other hosts: tell them an address of this one they can reach, not its name
         lighthouse, reachable = check_lighthouse(lighthouse)
-        mine = os.environ.get(ADDRESS_ENV) or (None if _loopback(reachable) else reachable)
+        mine = _given_address() or (None if _loopback(reachable) else reachable)
         if mine:  # (a lighthouse reached over loopback says nothing of where the other hosts reach this one)
             address = {ADDRESS_ENV: mine}
             interface = os.environ.get("GLOO_SOCKET_IFNAME") or interface_towards(mine)

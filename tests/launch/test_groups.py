@@ -33,7 +33,7 @@ def test_bad_groups_input_is_one_line(capsys):
     assert "--lighthouse takes HOST:PORT" in capsys.readouterr().err
 
 
-def test_bad_input_of_groups_across_machines_is_one_line(capsys):
+def test_bad_input_of_groups_across_machines_is_one_line(capsys, monkeypatch):
     assert main(["run", "--groups", "2", "--group", "1", "x.py"]) == 2
     assert capsys.readouterr().err == (
         "loom: error: --group I runs one group of a job across machines: add --lighthouse HOST:PORT (start it with `loom lighthouse`)\n"
@@ -54,7 +54,13 @@ def test_bad_input_of_groups_across_machines_is_one_line(capsys):
         taken.listen()
         port = taken.getsockname()[1]
         assert main(["lighthouse", "--port", str(port)]) == 2
-    assert capsys.readouterr().err.startswith(f"loom: error: the lighthouse cannot listen on port {port} (")
+        assert capsys.readouterr().err.startswith(f"loom: error: the lighthouse cannot listen on port {port} (")
+        monkeypatch.setenv("LOOM_GROUP_ADDRESS", "no such host!")  # a lighthouse is reached (the listening socket)
+        assert main(["run", "--groups", "2", "--group", "0", "--lighthouse", f"127.0.0.1:{port}", "x.py"]) == 2
+    assert capsys.readouterr().err == (
+        "loom: error: LOOM_GROUP_ADDRESS='no such host!' is neither an IP address nor a host name that resolves: set it to the "
+        "address where the other groups' hosts reach this one, or unset it (this host's address towards the lighthouse is the default)\n"
+    )
 
 
 @pytest.mark.parametrize("make", [lambda: loom.ShardedStrategy(), lambda: loom.PipelineStrategy(stages=2), lambda: loom.OneDeviceStrategy()])
