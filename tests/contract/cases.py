@@ -154,6 +154,8 @@ def save_and_restore(make: Make, directory: Path, reference: Path) -> dict[str, 
     for x, y in strategy.distribute(data(), batch_size=GLOBAL_BATCH, shuffle=False):
         step(x, y)
     strategy.save(directory, step=STEPS, model=model, optimizer=opt)
+    if strategy.trains_across_groups:  # replica groups train one model a strategy: a resumed run makes its own
+        strategy = make()
     fresh, fresh_opt = strategy.prepare(mlp(), sgd)
     strategy.restore(reference, model=fresh, optimizer=fresh_opt)
     momentum = {k: v["momentum_buffer"].clone() for k, v in fresh_opt.state_dict()["state"].items()}

@@ -24,6 +24,10 @@ if importlib.util.find_spec("torchax") is not None:  # the xla extra
     STRATEGIES.append("tpu")
 # Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
 ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco", "diloco_overlap"]
+# Replica groups' strategies, run by one `loom run --groups 2 --nproc 1` job: two groups of one process.
+ON_TWO_GROUPS = ["fault_tolerant", "fault_tolerant_sharded"]
+if importlib.util.find_spec("torchft") is not None:  # the ft extra
+    STRATEGIES += ON_TWO_GROUPS
 
 
 def _one_device(directory: Path) -> list[dict[str, Any]]:
@@ -44,7 +48,11 @@ def _launched(root: Path, names: list[str]) -> dict[str, list[dict[str, Any]]]:
         for code, _, err in wait_all(start_nodes(2, 1, job), timeout=240):
             assert code == 0, err[-3000:]
     else:
-        done = loom_run(["run", "--nproc", "2", "--timeout", "60", *job], timeout=120 + 120 * len(names))
+        processes = ["--groups", "2", "--nproc", "1"] if names == ON_TWO_GROUPS else ["--nproc", "2"]
+        # Each case's strategy leaves the groups and the next one joins: the lighthouse waits until the left
+        # Manager's heartbeat lapses. A live group that missed this long would leave and heal, still exactly.
+        env = {"LOOM_FT_HEARTBEAT_TIMEOUT_MS": "1000"} if names == ON_TWO_GROUPS else None
+        done = loom_run(["run", *processes, "--timeout", "60", *job], timeout=120 + 120 * len(names), env=env)
         assert done.returncode == 0, done.stderr[-3000:]
     return {name: [torch.load(root / name / f"results-{r}.pt", weights_only=True) for r in range(2)] for name in names}
 
@@ -127,7 +135,7 @@ def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]])
                 with pytest.MonkeyPatch.context() as patch:
                     cache[name] = _parameter_servers(directory(name), patch)
             else:
-                together = ON_TWO_LOCAL_PROCESSES if name in ON_TWO_LOCAL_PROCESSES else [name]
+                together = next((job for job in (ON_TWO_LOCAL_PROCESSES, ON_TWO_GROUPS) if name in job), [name])
                 for each in together:
                     directory(each)
                 cache.update(_launched(root, together))

@@ -51,12 +51,25 @@ REFUSED = {
         "batchnorm_cnn": "ValueError: PipelineStrategy cannot train BatchNorm layer 'features.1' as one device does",
         "gpt_own_loss": "ValueError: transformer.wte.weight (stage 0) and lm_head.weight (stage 1) are one tied parameter",
     },
+    **{
+        name: {  # replica groups (`loom run --groups`): a heal copies one model, optimizer and step count
+            "fp16_mixed": f"ValueError: {cls} cannot heal fp16's loss scale",
+            "accumulate_eager": "RuntimeError: under --groups each batch that distribute() hands out is one optimizer step",
+            "batchnorm_cnn": f"ValueError: {cls} cannot sync BatchNorm statistics across groups",
+        }
+        for name, cls in (("fault_tolerant", "FaultTolerantMirroredStrategy"), ("fault_tolerant_sharded", "FaultTolerantShardedStrategy"))
+    },
     "tpu": {  # one compiled program per step: gradients come from JAX, and XLA devices run bfloat16
         "eager_loop": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
         "accumulate_eager": "RuntimeError: TPUStrategy compiles forward, backward and the update into one XLA program",
         "fp16_mixed": "ValueError: TPUStrategy runs mixed precision in bfloat16",
     },
 }
+
+
+# Replica groups combine reduce, gather and fit's training logs within the caller's group: they run
+# between steps, where a group may be missing (docs/contract.md's table).
+PER_GROUP = ("fault_tolerant", "fault_tolerant_sharded")
 
 
 def params(cases: list[str], local: bool = False) -> list[Any]:
@@ -169,7 +182,7 @@ def test_local_fit_trains_and_reports_over_every_replica(contract_results, strat
         assert first[key] == pytest.approx(second[key], rel=1e-6), key
 
 
-@pytest.mark.parametrize("strategy, case", params(["reduce_and_gather"], local=True))
+@pytest.mark.parametrize("strategy, case", [p for p in params(["reduce_and_gather"], local=True) if p.values[0] not in PER_GROUP])
 def test_reduce_and_gather_cover_every_replica(contract_results, strategy, case):
     for got in result(contract_results, strategy, case):
         n = got["replicas"]
@@ -178,13 +191,38 @@ def test_reduce_and_gather_cover_every_replica(contract_results, strategy, case)
         assert got["gathered"] == list(range(1, n + 1))
 
 
-@pytest.mark.parametrize("strategy, case", params(["fit_metrics"]))
+@pytest.mark.parametrize("strategy", [s for s in PER_GROUP if s in STRATEGIES])
+def test_replica_groups_reduce_and_gather_within_the_callers_group(contract_results, strategy):
+    """Two groups of one process: each reduces and gathers its own value, though both count as replicas."""
+    for replica, got in enumerate(result(contract_results, strategy, "reduce_and_gather")):
+        mine = replica + 1
+        assert got["replicas"] == 2
+        assert (got["sum"], got["max"], got["mean"], got["gathered"]) == (mine, mine, mine, [mine])
+
+
+@pytest.mark.parametrize("strategy, case", [p for p in params(["fit_metrics"]) if p.values[0] not in PER_GROUP])
 def test_fit_metrics_are_over_every_replica(contract_results, strategy, case):
     (reference,) = result(contract_results, "one_device", case)
     for got in result(contract_results, strategy, case):
         assert got.keys() == reference.keys()
         for key in reference:
             assert got[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.parametrize("strategy", [s for s in PER_GROUP if s in STRATEGIES])
+def test_replica_groups_fit_validates_and_predicts_every_sample_and_logs_its_own_training(contract_results, strategy):
+    """Each group validates and predicts the whole data set (40 samples: a partial last batch) as one
+    device does; its training logs are its own half of each batch, whose two means make one device's."""
+    (reference,) = result(contract_results, "one_device", "fit_metrics")
+    groups = result(contract_results, strategy, "fit_metrics")
+    for got in groups:
+        assert got.keys() == reference.keys()
+        for key in [k for k in reference if k.startswith("val_")] + ["predicted"]:
+            assert got[key] == pytest.approx(reference[key], rel=1e-5, abs=1e-6), key
+    for key in ("loss", "accuracy"):
+        halves = [pytest.approx(reference[key], rel=1e-5) != got[key] for got in groups]
+        assert any(halves), f"{key}: a group logged every replica's samples"
+        assert [sum(epoch) / 2 for epoch in zip(*(got[key] for got in groups))] == pytest.approx(reference[key], rel=1e-5), key
 
 
 @pytest.mark.parametrize("strategy, case", params(["save_and_restore"], local=True))

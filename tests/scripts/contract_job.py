@@ -1,13 +1,16 @@
 """Every contract case under each of the named strategies, in one launched job; each replica saves its results.
 
     loom run --nproc 2 contract_job.py --strategy mirrored,sharded --dir DIR
+    loom run --groups 2 --nproc 1 contract_job.py --strategy fault_tolerant,fault_tolerant_sharded --dir DIR
 
 Strategies that run on the same processes share one launch (a process importing torch costs
 seconds). DIR/<strategy>/reference must hold OneDevice's checkpoint; results go to
-DIR/<strategy>/results-<replica>.pt.
+DIR/<strategy>/results-<replica>.pt. Replica groups' strategies each train one model: a case's
+strategy leaves the groups before the next one is made, in every group at the same point.
 """
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
@@ -15,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import loom
+from loom.comm.groups import GROUP_ENV
 from tests.contract.cases import CASES, run_case
 from tests.contract.local_reference import OPTIONS as LOCAL_OPTIONS
 from tests.contract.local_reference import OUTER, REGISTERED, resume
@@ -37,8 +41,13 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
     registered = REGISTERED.get(strategy_name, strategy_name)
     strategy = loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}))
 
+    made = [strategy]
+
     def make(**options):
-        return loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}), **options)
+        if hasattr(made[-1], "leave"):  # replica groups: one strategy at a time
+            made[-1].leave()
+        made.append(loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}), **options))
+        return made[-1]
 
     results = {}
     for name in CASES:
@@ -52,7 +61,10 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
     if not dist.is_initialized():  # one process driving every device (TPUStrategy)
         torch.save(results, directory / "results-0.pt")
         return
-    torch.save(complete(_full(results)), directory / f"results-{dist.get_rank()}.pt")  # a pipeline's processes share replica 0
+    if hasattr(made[-1], "leave"):
+        made[-1].leave()
+    replica = int(os.environ.get(GROUP_ENV, 0)) * dist.get_world_size() + dist.get_rank()  # a pipeline's processes share replica 0
+    torch.save(complete(_full(results)), directory / f"results-{replica}.pt")
 
 
 def complete(results: dict) -> dict:

@@ -3,7 +3,8 @@ through ``train_step`` with a StepLR schedule (chainable: each learning rate is 
 gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy.
 ``ACCUMULATE=k``: ``train_step(accumulate=k)``, k micro-batches to a step.
 
-``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json.
+``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json
+(and, at the end, a step after ``leave()`` as OUT/left-<group>-<rank>.json).
 
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
@@ -61,8 +62,9 @@ def optimizer(params):
 
 
 def evaluation_data() -> torch.utils.data.Dataset:
+    """The training samples less 5: the last batch is partial (evaluation pads it, and leaves the padding out)."""
     numbered = Numbered()
-    return torch.utils.data.TensorDataset(numbered.x, numbered.y)
+    return torch.utils.data.TensorDataset(numbered.x[:-5], numbered.y[:-5])
 
 
 def scheduler(opt):
@@ -150,7 +152,7 @@ def main(out: Path) -> None:
     model, opt = strategy.prepare(make_model(group + 1), optimizer)  # groups start unequal: the start-up sync makes them equal
     if os.environ.get("CHECK_REFUSALS"):
         refusals += [_refusal(lambda: strategy.prepare(make_model(0), optimizer)), _refusal(opt.step)]
-        refusals += [_refusal(lambda: strategy.distribute(Numbered(), batch_size=13 * 4))]
+        refusals += [_refusal(lambda: next(iter(strategy.distribute(Numbered(), batch_size=13 * 4))))]
         (out / f"refusals-{group}-{rank}.json").write_text(json.dumps(refusals))
     sched = scheduler(opt)
     step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=MAX_NORM, accumulate=int(os.environ.get("ACCUMULATE", 1)))
@@ -179,6 +181,9 @@ def main(out: Path) -> None:
     (out / f"held-{group}-{rank}.json").write_text(json.dumps({k: _local(v).numel() for k, v in final.items()}))
     torch.save({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in final.items()}, out / f"final-{group}-{rank}.pt")
     (out / f"lr-{group}-{rank}.json").write_text(json.dumps(schedule_state(opt, sched)))
+    if os.environ.get("CHECK_REFUSALS"):  # having left the groups, the strategy takes no step
+        strategy.leave()
+        (out / f"left-{group}-{rank}.json").write_text(json.dumps(_refusal(lambda: next(iter(loader)))))
 
 
 if __name__ == "__main__":

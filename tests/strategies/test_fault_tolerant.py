@@ -46,13 +46,15 @@ def test_groups_without_failure_equal_one_device(tmp_path):
     for g, r in final:
         assert_close(final[g, r], weights)
         assert json.loads((tmp_path / f"lr-{g}-{r}.json").read_text()) == schedule
-        # loom.evaluate takes no quorum: each group evaluates every sample, split among its processes
+        # loom.evaluate takes no quorum: each group evaluates every sample (91: a partial last batch), split among its processes
         assert json.loads((tmp_path / f"eval-{g}-{r}.json").read_text())["loss"] == pytest.approx(evaluated(final[g, r]), rel=1e-6)
     refusals = json.loads((tmp_path / "refusals-1-1.json").read_text())
     assert refusals[0].startswith("under --groups a restarted group heals with the optimizer's state too: pass the optimizer")
     assert refusals[1] == "FaultTolerantMirroredStrategy trains one model and optimizer: call prepare() once"
     assert refusals[2].startswith("under --groups each step trains the batch that strategy.distribute(...) hands out")
     assert refusals[3].startswith("under --groups every step trains a whole global batch, but 96 samples leave a last batch of 44")
+    left = json.loads((tmp_path / "left-0-1.json").read_text())
+    assert left == "this FaultTolerantMirroredStrategy left the replica groups (leave()): make a new strategy to train again"
 
 
 @pytest.mark.timeout(300)

@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from loom.comm.groups import ADDRESS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
+from loom.checkpoint.layout import next_step, step_dir
 from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
 from loom.errors import CheckpointError, LaunchError
 from loom.strategies.base import unwrap
@@ -278,6 +279,8 @@ class _AcrossGroups:
 
     # ---- one step -----------------------------------------------------------------------------
     def _quorum(self) -> None:
+        if self._left:
+            raise RuntimeError(f"this {type(self).__name__} left the replica groups (leave()): make a new strategy to train again")
         self._manager.start_quorum()
         self._manager.wait_quorum()
         self._check_same_job()
@@ -499,6 +502,7 @@ class _AcrossGroups:
         return loader
 
     _global_batch = 1
+    _left = False  # leave() was called: the Manager is shut down
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
     _synced = False  # clipping summed this step's gradients across the groups already
     _clip: tuple[float, float] | None = None  # the norm (and its type) the steps clip to, once a step has clipped
@@ -583,8 +587,29 @@ class _AcrossGroups:
             state[index][key] = self._shard_like(params[index], state[index][key], layout)
         return {"state": state, "param_groups": saved["param_groups"]}
 
+    # ---- checkpoints and the end --------------------------------------------------------------
+    def save(self, directory: Any, *, step: int | None = None, **options: Any) -> Any:  # type: ignore[override]
+        """Written by one group, the lowest of the last quorum: after its step every group in it holds the same
+        state, and two groups writing one directory (on one machine, or a shared file system) would race.
+        The other groups return its path without writing (on hosts that share no file system, the
+        checkpoint is on that group's host)."""
+        if self.group != min(self._quorum_groups()):
+            return step_dir(directory, step if step is not None else next_step(directory))
+        return super().save(directory, step=step, **options)  # type: ignore[misc]
+
+    def leave(self) -> None:
+        """Leave the replica groups and keep the process group: another strategy may then train in these processes.
+
+        Every group leaves at the same point (after the same step), as every replica calls ``save``; the next
+        strategy's first step starts a new job of the groups, from group 0's weights.
+        """
+        if not self._left:
+            self._left = True
+            atexit.unregister(self._manager.shutdown)
+            self._manager.shutdown(wait=False)
+
     def shutdown(self) -> None:
-        self._manager.shutdown(wait=False)
+        self.leave()
         super().shutdown()  # type: ignore[misc]
 
 

@@ -7,7 +7,7 @@ Which batch comes next is the number of steps the job has committed, which a hea
 over with the weights: so no batch is skipped, and none is trained twice.
 
 Iterated without gradients (``loom.evaluate``, ``fit``'s validation, ``predict``), the loader
-takes no quorum: each group reads every batch, split among its own processes, so a group's
+takes no quorum: each group reads every batch (a last, partial one too), split among its own processes, so a group's
 evaluation covers the whole data set.
 """
 
@@ -60,11 +60,6 @@ class GroupLoader:
         if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
             raise TypeError(f"under --groups, distribute() takes a map-style Dataset (with len and indexing), not {type(data).__name__}")
         check_global_batch(batch_size, strategy.group_size * strategy.groups)
-        if len(data) % batch_size:
-            raise ValueError(
-                f"under --groups every step trains a whole global batch, but {len(data)} samples leave a last batch of "
-                f"{len(data) % batch_size}: use a data set of a multiple of batch_size={batch_size} samples"
-            )
         self.strategy = strategy
         self.dataset = data
         self.global_batch = batch_size
@@ -74,9 +69,10 @@ class GroupLoader:
         self.epoch = 0
         self._started = False
         self._evaluating = False
+        self._valid = 0  # real samples of the batch last handed out in evaluation (a last one is padded)
 
     def __len__(self) -> int:
-        return len(self.dataset) // self.global_batch
+        return -(-len(self.dataset) // self.global_batch)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -90,9 +86,9 @@ class GroupLoader:
         self.epoch, self._started = epoch, False
 
     def valid_count(self, batch: int) -> int:
-        """Samples this process trained (or evaluated) in the last batch handed out (no batch is padded)."""
+        """Real samples this process trained (or evaluated) in the last batch handed out (a training batch is never padded)."""
         if self._evaluating:
-            return self.global_batch // self.strategy.group_size
+            return self._valid
         return self.strategy.membership.samples // self.strategy.group_size
 
     def state_dict(self) -> dict[str, int]:
@@ -102,6 +98,12 @@ class GroupLoader:
         if not torch.is_grad_enabled():  # evaluation: no step follows, so no quorum decides the data
             yield from self._evaluation()
             return
+        if len(self.dataset) % self.global_batch:
+            raise ValueError(
+                f"under --groups every step trains a whole global batch, but {len(self.dataset)} samples leave a last batch of "
+                f"{len(self.dataset) % self.global_batch}: train on a multiple of batch_size={self.global_batch} samples "
+                "(evaluation takes any number)"
+            )
         if self._started:
             self.epoch += 1
         self._started = True
@@ -116,13 +118,16 @@ class GroupLoader:
             yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)
 
     def _evaluation(self) -> Iterator[Any]:
-        """Every global batch in the epoch's order, split among this group's processes only."""
-        each, rank = self.global_batch // self.strategy.group_size, self.strategy.cluster.rank
-        order = epoch_order(len(self.dataset), self.shuffle, self.seed, self.epoch)
+        """Every global batch in the epoch's order, split among this group's processes only; a last, partial
+        batch is padded with the epoch's last sample, which ``valid_count`` leaves out."""
+        each, rank, total = self.global_batch // self.strategy.group_size, self.strategy.cluster.rank, len(self.dataset)
+        order = epoch_order(total, self.shuffle, self.seed, self.epoch).tolist()
         self._evaluating = True
         try:
             for batch in range(len(self)):
                 start = batch * self.global_batch + rank * each
-                yield to_device(self.collate_fn([self.dataset[i] for i in order[start : start + each].tolist()]), self.strategy.device)
+                self._valid = max(0, min(each, total - start))
+                members = [order[min(i, total - 1)] for i in range(start, start + each)]
+                yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)
         finally:
             self._evaluating = False
