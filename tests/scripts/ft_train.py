@@ -3,13 +3,18 @@ through ``train_step`` with a StepLR schedule (chainable: each learning rate is 
 gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy.
 ``ACCUMULATE=k``: ``train_step(accumulate=k)``, k micro-batches to a step.
 
+``SAVE_EVERY=k``: after every k-th batch the groups save (OUT/checkpoints/step-<batches>); with ``DIE_IN=save``, group G
+of ``DIE_AT`` dies in the save after batch B instead, its files written and not committed (B + 1 a multiple of k).
+
+``RESUME_FROM=DIR``: restore that checkpoint (model, optimizer, scheduler, data position) before the first batch.
+
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json
 (and, at the end, a step after ``leave()`` as OUT/left-<group>-<rank>.json).
 
 ``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
-its pid); its next life joins only once group 0 committed batch B without it (else a quick
+its pid); its next life joins only once the other group committed batch B without it (else a quick
 restart, within the lighthouse's heartbeat timeout, would heal in that very step); the final learning rate and scheduler state go to OUT/lr-<group>-<rank>.json. ``HOLD_AT=B``: the other groups wait after batch B until group G's next life asks to
 join, and after each later batch a while for it to heal, so that it rejoins while there is training left. ``LATE=G``: group G's first life starts
 only once group 0 waits for it to start the job (its ``waiting`` event), or else has trained up to
@@ -135,6 +140,18 @@ def started_at(pid: str) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
 
 
+def _die_before_the_commit(out: Path) -> None:
+    """The next save writes its files, then waits to be killed before its commit (OUT/dying holds the pid)."""
+    from loom.checkpoint.checkpointer import Checkpointer
+
+    def commit(*args, **kwargs):
+        (out / "dying").write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.05)
+
+    Checkpointer._commit = commit
+
+
 def main(out: Path) -> None:
     registered(out)
     hold_at = int(os.environ.get("HOLD_AT", -1))
@@ -142,8 +159,9 @@ def main(out: Path) -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     late = os.environ.get("LATE") == os.environ["REPLICA_GROUP_ID"] and not restart
     stopped = _start_late(out, hold_at) if late else None
+    in_save, save_every = os.environ.get("DIE_IN") == "save", int(os.environ.get("SAVE_EVERY", 0))
     if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
-        while not any(e["event"] == "commit" and e["batch"] == die_batch for e in _events(0)):
+        while not any(e["event"] == "commit" and e["batch"] == die_batch + in_save for e in _events(1 - die_group)):
             time.sleep(0.05)
     strategy = loom.FaultTolerantShardedStrategy() if os.environ.get("STRATEGY") == "sharded" else loom.auto_strategy()
     group, rank = strategy.group, strategy.cluster.rank
@@ -157,11 +175,13 @@ def main(out: Path) -> None:
     sched = scheduler(opt)
     step = strategy.train_step(model, F.cross_entropy, opt, scheduler=sched, max_grad_norm=MAX_NORM, accumulate=int(os.environ.get("ACCUMULATE", 1)))
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
+    if os.environ.get("RESUME_FROM"):
+        strategy.restore(os.environ["RESUME_FROM"], model=model, optimizer=opt, scheduler=sched, loader=loader)
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):
             for x, y, ids in loader:
                 m = strategy.membership
-                if (group, m.batch, restart) == (die_group, die_batch, 0):
+                if (group, m.batch, restart) == (die_group, die_batch, 0) and not in_save:
                     if stopped is not None:
                         os.kill(stopped, signal.SIGCONT)
                     (out / "dying").write_text(str(os.getpid()))
@@ -173,6 +193,10 @@ def main(out: Path) -> None:
                                           "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync,
                                           "norm": float(step.grad_norm)}) + "\n")
                     log.flush()
+                if save_every and strategy.committed and (m.batch + 1) % save_every == 0:
+                    if (group, m.batch, restart) == (die_group, die_batch, 0) and in_save:
+                        _die_before_the_commit(out)
+                    strategy.save(out / "checkpoints", step=m.batch + 1, keep=100, model=model, optimizer=opt, scheduler=sched, loader=loader)
                 if 0 <= hold_at <= m.batch and group != die_group and strategy.committed:
                     _hold(m.batch == hold_at, die_group)
     evaluated = loom.evaluate(model, F.cross_entropy, evaluation_data(), batch_size=BATCH, strategy=strategy)

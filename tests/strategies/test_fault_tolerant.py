@@ -292,3 +292,52 @@ def test_sharded_groups_heal_shard_by_shard_from_a_live_group_and_equal_one_devi
     heal = next(s for s in steps if s["g"] == 0 and s["batch"] == healed[0]["batch"] - 1)
     assert heal["norm"] > ft_train.MAX_NORM  # the step group 1 healed in was clipped: so was its copy of it
     assert "group 1 healed at batch" in err
+
+
+@pytest.mark.timeout(300)
+def test_the_group_writing_a_checkpoint_killed_mid_save_leaves_every_committed_one_whole_and_heals(tmp_path):
+    """Group 0 writes the checkpoints (the lowest group of the quorum) every 2 batches. Killed in the save
+    after batch 3, its files written and not committed, it leaves no checkpoint of that step; group 1
+    trains on and writes the next ones; group 0 comes back, heals from it and writes again. Every
+    committed checkpoint restores under OneDevice, and the last holds the final weights and schedule.
+    The script restores its checkpoint directory at its start, as scripts do: group 0's next life, healed,
+    keeps the live state rather than load the older checkpoint over it."""
+    from loom.checkpoint import layout
+
+    die_at, hold_at = 3, 5
+    env = {"DIE_AT": f"0:{die_at}", "DIE_IN": "save", "SAVE_EVERY": "2", "HOLD_AT": str(hold_at), "RESUME_FROM": str(tmp_path / "checkpoints")}
+    job = start_job(tmp_path, "--groups", "2", "--nproc", "1", "--max-restarts", "1", env=env)
+    err = kill_the_dying_group(job, tmp_path)
+
+    steps = read_steps(tmp_path)
+    survivor = [s for s in steps if s["g"] == 1]
+    assert {s["restart"] for s in survivor} == {0} and [s["batch"] for s in survivor] == list(range(16))
+    assert next(s for s in survivor if s["batch"] == die_at + 1)["groups"] == [1]  # trained on without the writer
+    healed = [s for s in steps if s["g"] == 0 and s["restart"] == 1]
+    assert healed and healed[0]["batch"] > hold_at and healed[-1]["batch"] == 15
+    for epoch, count in samples_per_epoch(steps).items():
+        assert count == Counter(range(96)), f"epoch {epoch}: lost {set(range(96)) - set(count)}, doubled {[i for i, n in count.items() if n > 1]}"
+    assert "group 0 healed at batch" in err and "GET /checkpoint" not in err  # (http.server's line per request)
+    assert "group 0 healed from a live group and keeps its state" in err
+    final = torch.load(tmp_path / "final-1-0.pt")
+    assert all(torch.equal(torch.load(tmp_path / "final-0-0.pt")[k], final[k]) for k in final)
+
+    checkpoints = tmp_path / "checkpoints"
+    assert [layout.step_of(p) for p in layout.committed(checkpoints)] == [2, 6, 8, 10, 12, 14, 16]  # none of step 4
+    assert not list(checkpoints.glob(".tmp-*"))  # the killed save's files, never committed, cleared by a later save
+    for path in layout.committed(checkpoints):
+        one = loom.OneDeviceStrategy("cpu")
+        model, opt = one.prepare(ft_train.make_model(0), ft_train.optimizer)
+        sched = ft_train.scheduler(opt)
+        restored = one.restore(path, model=model, optimizer=opt, scheduler=sched)
+        assert restored["step"] == layout.step_of(path) and opt.state_dict()["state"]
+    assert all(torch.equal(loom.unwrap(model).state_dict()[k], final[k]) for k in final)  # the last one: the final weights
+    assert ft_train.schedule_state(opt, sched) == json.loads((tmp_path / "lr-1-0.json").read_text())
+
+    resumed = tmp_path / "resumed"  # a new job of the groups from the checkpoint of batch 8: the same end, bit for bit
+    resumed.mkdir()
+    finish(start_job(resumed, "--groups", "2", "--nproc", "1", env={"RESUME_FROM": str(checkpoints / "step-00000008")}), 120)
+    assert [s["batch"] for s in read_steps(resumed) if s["g"] == 0] == list(range(8, 16))
+    for g in (0, 1):
+        again = torch.load(resumed / f"final-{g}-0.pt")
+        assert all(torch.equal(again[k], final[k]) for k in final)

@@ -40,6 +40,7 @@ import atexit
 import logging
 import os
 import pickle
+import sys
 import time
 import urllib.request
 import warnings
@@ -180,8 +181,13 @@ class _AcrossGroups:
         return self.membership.rank * self.group_size + self.cluster.rank
 
     def committed_batches(self) -> int:
-        """Global batches the job has trained: its committed steps, less the first (the start-up sync)."""
-        return max(0, self._manager.current_step() - 1)
+        """Global batches the job has trained: its committed steps, less the first (the start-up sync), and
+        those of the checkpoint it resumed from (``GroupLoader.load_state_dict``)."""
+        return max(0, self._manager.current_step() - 1) + self._resumed
+
+    def _resume_at(self, batches: int) -> None:
+        """The job has trained ``batches`` global batches (a restored loader's position); a heal hands it on."""
+        self._resumed = batches - max(0, self._manager.current_step() - 1)
 
     # ---- model and optimizer ------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **options: Any) -> Any:  # type: ignore[override]
@@ -207,7 +213,8 @@ class _AcrossGroups:
             schedulers = [s.state_dict() for s in self._schedulers]
             model = {key: self._local(value) for key, value in module.state_dict().items()}  # process r's parts heal process r
             optimizer = self._local_optimizer_state(inner)
-            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.state(), "clip": self._clip}
+            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.state(), "clip": self._clip,
+                    "resumed": self._resumed}
 
         def load(saved: dict[str, Any]) -> None:
             with torch.no_grad():
@@ -216,6 +223,7 @@ class _AcrossGroups:
             inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
             self._healed_schedulers = saved["schedulers"]
             self._clip = saved["clip"]
+            self._resumed = saved["resumed"]
             dropped = self._history.take(saved["history"])  # a heal whose step fails is taken again: the first one's finding stands
             self._dropped = dropped if self._dropped == 0 else self._dropped
 
@@ -503,6 +511,7 @@ class _AcrossGroups:
 
     _global_batch = 1
     _left = False  # leave() was called: the Manager is shut down
+    _resumed = 0  # global batches trained before this job's first step (a restored checkpoint's)
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
     _synced = False  # clipping summed this step's gradients across the groups already
     _clip: tuple[float, float] | None = None  # the norm (and its type) the steps clip to, once a step has clipped
@@ -597,6 +606,14 @@ class _AcrossGroups:
             return step_dir(directory, step if step is not None else next_step(directory))
         return super().save(directory, step=step, **options)  # type: ignore[misc]
 
+    def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
+        """As every strategy restores; but a group that healed from a live group keeps the live state (the
+        checkpoint is older): it loads nothing and returns None, as if there were no checkpoint."""
+        if self._heal_applied:
+            self.print(f"loom: group {self.group} healed from a live group and keeps its state: restore({directory}) loads nothing", file=sys.stderr)
+            return None
+        return super().restore(directory, **options)  # type: ignore[misc]
+
     def leave(self) -> None:
         """Leave the replica groups and keep the process group: another strategy may then train in these processes.
 
@@ -651,6 +668,10 @@ def _heal_transport(address: str | None, timeout: timedelta) -> Any:
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class Transport(HTTPTransport):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._server.RequestHandlerClass.log_message = lambda handler, *args: None  # http.server's line per request, on stderr
+
         def address(self) -> str:
             return super().address() if address is None else f"http://{address}:{self._server.socket.getsockname()[1]}/checkpoint/"
 

@@ -92,7 +92,20 @@ class GroupLoader:
         return self.strategy.membership.samples // self.strategy.group_size
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batch": self.strategy.committed_batches() - self.epoch * len(self), "global_batch": self.global_batch}
+        """The job's position, in the format of every loom loader: a checkpoint resumes under any strategy."""
+        batch = self.strategy.committed_batches() - self.epoch * len(self)
+        return {"epoch": self.epoch, "batch": batch, "global_batch": self.global_batch, "samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the job at that position: every group restores it before its first batch (a group that
+        healed takes the live position instead)."""
+        if state.get("samples", len(self.dataset)) != len(self.dataset) or state.get("global_batch", self.global_batch) != self.global_batch:
+            raise ValueError(
+                f"the saved input position is for {state.get('samples')} samples in global batches of {state.get('global_batch')}; "
+                f"this data has {len(self.dataset)} in batches of {self.global_batch}: resume with the same data and global batch size"
+            )
+        self.epoch, self._started = int(state["epoch"]), False
+        self.strategy._resume_at(self.epoch * len(self) + int(state["batch"]))
 
     def __iter__(self) -> Iterator[Any]:
         if not torch.is_grad_enabled():  # evaluation: no step follows, so no quorum decides the data
