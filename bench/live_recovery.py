@@ -30,9 +30,16 @@ quorum, against MultiWorkerMirrored's), and the recovery after a kill -9 of grou
     python bench/live_recovery.py [--rounds 2] [--steps 30]
     python bench/live_recovery.py --chaos 5
     python bench/live_recovery.py --hosts [--rounds 2] [--steps 30]
+    python bench/live_recovery.py --lighthouse-loss 5 -1
+
+Lighthouse loss (``--lighthouse-loss DOWN ...``): ``loom lighthouse`` in a process of its own, a launcher per
+group (2 x 1 process, W1, ``--max-restarts 1``, LOOM_TIMEOUT=20); once group 0 has committed a few steps the
+lighthouse is killed with SIGKILL and started again at its address DOWN seconds later (a negative DOWN:
+never). The gap in group 0's commits and the launchers' lines (a group whose quorum request waited past the
+timeout restarts, rejoins and heals), or, never restarted, how long the groups wait and the line they stop with.
 
 Writes bench/results/live_recovery.json and .png (chaos: live_recovery_chaos.json and .png; hosts:
-live_recovery_hosts.json and .png). Run as a job's script (by the above), it trains.
+live_recovery_hosts.json and .png; lighthouse loss: live_recovery_lighthouse.json). Run as a job's script (by the above), it trains.
 """
 
 from __future__ import annotations
@@ -141,7 +148,7 @@ def _asked_to_join(group: int) -> bool:
 
 # ---- the driver ----------------------------------------------------------------------------------
 def _job(out: Path, steps: int, *flags: str, env: dict[str, str] | None = None, train: tuple[str, ...] = ("--train",)) -> subprocess.Popen:
-    (out / "events").mkdir()
+    (out / "events").mkdir(exist_ok=True)
     return subprocess.Popen(
         [sys.executable, "-m", "loom.launch.cli", "run", *flags, __file__, *train, str(out), "--steps", str(steps)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "LOOM_FT_EVENTS": str(out / "events"), **(env or {})},
@@ -203,6 +210,53 @@ def _kill_group_1(out: Path, jobs: list[subprocess.Popen]) -> float:
     killed = time.time()
     os.kill(_lines(out / "steps-1.jsonl")[0]["pid"], 9)
     return killed
+
+
+def lighthouse_loss(steps: int, down: float, timeout: int = 20) -> dict:
+    """``loom lighthouse`` in a process of its own and a launcher per group; once group 0 has committed
+    KILL_AFTER steps the lighthouse is killed with SIGKILL and, after ``down`` seconds, started again at
+    its address (``down`` None: never, and the groups stop after ``timeout``). Seconds after the kill."""
+    out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
+    port = LIGHTHOUSE_PORT + 1
+    lighthouse = _lighthouse(port)
+    env = {"LOOM_TIMEOUT": str(timeout)}
+    flags = ("--lighthouse", f"127.0.0.1:{port}", "--groups", "2", "--nproc", "1", "--max-restarts", "1")
+    jobs = [_job(out, steps, *flags, "--group", str(g), env=env) for g in (0, 1)]
+    try:
+        while len([s for s in _lines(out / "steps-0.jsonl") if s.get("committed")]) < KILL_AFTER:
+            if any(job.poll() is not None for job in jobs):
+                raise SystemExit("a group ended before the lighthouse was killed:\n" + "\n".join(job.communicate()[1][-3000:] for job in jobs))
+            time.sleep(0.02)
+        killed = time.time()
+        lighthouse.kill()
+        lighthouse.wait()
+        if down is not None:
+            time.sleep(down)
+            restarted, lighthouse = time.time(), _lighthouse(port)
+        errors = [job.communicate(timeout=300)[1] for job in jobs]
+    finally:
+        for job in jobs:
+            job.kill()
+        lighthouse.kill()
+    commits = [s["t"] for s in _lines(out / "steps-0.jsonl") if s.get("committed")]
+    after = [t - killed for t in commits if t > killed]
+    result = {"down_s": down, "timeout_s": timeout, "exit_codes": [job.returncode for job in jobs],
+              "last_commit_before_kill_s": max(t for t in commits if t <= killed) - killed,
+              "batches": len(commits)}  # fmt: skip
+    if down is None:
+        ended = max(float(s["t"]) for s in _lines(out / "steps-1.jsonl") if "t" in s) - killed
+        return result | {"last_commit_s": ended, "line": next((l for l in errors[0].splitlines() if "got no quorum" in l), None)}
+    return result | {"first_commit_after_kill_s": min(after), "first_commit_after_restart_s": min(after) - (restarted - killed),
+                     "launcher_lines": [line for err in errors for line in _group_lines(err) if "replicas =" not in line]}  # fmt: skip
+
+
+def _lighthouse(port: int) -> subprocess.Popen:
+    """``loom lighthouse`` on ``port``, once it listens."""
+    proc = subprocess.Popen([sys.executable, "-m", "loom.launch.cli", "lighthouse", "--port", str(port)], cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    if "listening" not in proc.stdout.readline():
+        raise SystemExit(f"loom lighthouse did not start on port {port}")
+    return proc
 
 
 def _group_lines(err: str) -> list[str]:
@@ -421,6 +475,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="steps per overhead job")
     parser.add_argument("--chaos", type=int, metavar="K", help="instead: kill a random group every K steps, 10 times, against a failure-free run")
     parser.add_argument("--hosts", action="store_true", help=f"instead: each group on a network-namespace host of its own, links at {RATE} (needs root)")
+    parser.add_argument("--lighthouse-loss", type=float, nargs="+", metavar="DOWN",
+                        help="instead: kill -9 the lighthouse mid-job and start it again after DOWN seconds (a negative DOWN: never)")
     parser.add_argument("--train", help=argparse.SUPPRESS)
     parser.add_argument("--train-chaos", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -440,6 +496,12 @@ def main() -> None:
         summary = {k: v for k, v in results["chaos"].items() if k not in ("failure_free", "chaos")}
         print(json.dumps(summary | {"samples": results["chaos"]["chaos"]["samples"]}, indent=2))
         print(f"wrote {path} and {RESULTS / 'live_recovery_chaos.png'}")
+        return None
+    if args.lighthouse_loss:
+        results["lighthouse_loss"] = [lighthouse_loss(KILL_AFTER + 40, None if down < 0 else down) for down in args.lighthouse_loss]
+        path = save("live_recovery_lighthouse", results)
+        print(json.dumps(results["lighthouse_loss"], indent=2))
+        print(f"wrote {path}")
         return None
     if args.hosts:
         results |= across_hosts(args.rounds, args.steps)

@@ -6,6 +6,8 @@ gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sha
 ``SAVE_EVERY=k``: after every k-th batch the groups save (OUT/checkpoints/step-<batches>); with ``DIE_IN=save``, group G
 of ``DIE_AT`` dies in the save after batch B instead, its files written and not committed (B + 1 a multiple of k).
 
+``PAUSE_AT=B``: every process writes OUT/paused-<group>-<rank> after batch B and waits for OUT/go.
+
 ``RESUME_FROM=DIR``: restore that checkpoint (model, optimizer, scheduler, data position) before the first batch.
 
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json
@@ -160,6 +162,7 @@ def main(out: Path) -> None:
     late = os.environ.get("LATE") == os.environ["REPLICA_GROUP_ID"] and not restart
     stopped = _start_late(out, hold_at) if late else None
     in_save, save_every = os.environ.get("DIE_IN") == "save", int(os.environ.get("SAVE_EVERY", 0))
+    pause_at = int(os.environ.get("PAUSE_AT", -1))
     if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
         while not any(e["event"] == "commit" and e["batch"] == die_batch + in_save for e in _events(1 - die_group)):
             time.sleep(0.05)
@@ -193,6 +196,10 @@ def main(out: Path) -> None:
                                           "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync,
                                           "norm": float(step.grad_norm)}) + "\n")
                     log.flush()
+                if m.batch == pause_at and strategy.committed:  # until the test says go (it kills the lighthouse meanwhile)
+                    (out / f"paused-{group}-{rank}").write_text("")
+                    while not (out / "go").exists():
+                        time.sleep(0.05)
                 if save_every and strategy.committed and (m.batch + 1) % save_every == 0:
                     if (group, m.batch, restart) == (die_group, die_batch, 0) and in_save:
                         _die_before_the_commit(out)

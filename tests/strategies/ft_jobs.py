@@ -137,9 +137,12 @@ def samples_per_epoch(steps):
 
 
 @contextmanager
-def lighthouse() -> Iterator[str]:
-    """``loom lighthouse`` in a process of its own (as on another host): its HOST:PORT, as it prints it."""
+def lighthouse(started: list | None = None) -> Iterator[str]:
+    """``loom lighthouse`` in a process of its own (as on another host): its HOST:PORT, as it prints it.
+    ``started`` gets its process (to kill it)."""
     proc = popen([*LOOM, "lighthouse", "--port", "0"], cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    if started is not None:
+        started.append(proc)
     try:
         line = proc.stdout.readline()  # its first line, or "" if it died; the test's timeout bounds the wait
         found = re.search(r"listening on (\S+);", line)

@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -76,6 +77,28 @@ def test_groups_launched_apart_join_a_lighthouse_and_equal_one_device_and_other_
         for job in jobs:
             finish(job, 200)
     assert_two_groups_trained_as_one_device(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_lighthouse_lost_mid_job_stops_every_group_within_the_timeout_in_one_line(tmp_path):
+    """Killed with SIGKILL after batch 2 and never started again: each group, at its next quorum, waits
+    LOOM_TIMEOUT (5 s here) and stops naming the lighthouse and what to do, rather than hang or raise gRPC's error."""
+    started: list = []
+    with lighthouse(started) as address:
+        apart = ("--lighthouse", address, "--groups", "2", "--nproc", "1")
+        jobs = [start_job(tmp_path, *apart, "--group", str(g), env={"PAUSE_AT": "2", "LOOM_TIMEOUT": "5"}) for g in (0, 1)]
+        while not all((tmp_path / f"paused-{g}-0").exists() for g in (0, 1)):
+            assert all(job.poll() is None for job in jobs), jobs[0].communicate()[1][-3000:]
+            time.sleep(0.05)
+        started[0].kill()
+        lost = time.monotonic()
+        (tmp_path / "go").write_text("")
+        errors = [job.communicate(timeout=60)[1] for job in jobs]
+    assert time.monotonic() - lost < 30
+    for g, (job, err) in enumerate(zip(jobs, errors)):
+        assert job.returncode == 1
+        assert f"LaunchError: group {g} got no quorum within 5s: the lighthouse at http://{address} did not answer (it died or cannot be reached): " \
+               "start `loom lighthouse` there again, and the groups from their last checkpoint" in err, err[-3000:]
 
 
 def test_fp16_and_batchnorm_synced_within_groups_only_are_refused_in_one_line():

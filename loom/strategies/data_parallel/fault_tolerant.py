@@ -159,6 +159,7 @@ class _AcrossGroups:
                 replica_id=f"job{self._job}_group_{self.group}",  # torchft reads the group from the trailing digits
                 lighthouse_addr=os.environ[LIGHTHOUSE_ENV],
                 checkpoint_transport=_heal_transport(host, timeout),
+                quorum_retries=max(1, int(self.timeout)),  # a quorum that failed on a lighthouse restarted at its address is asked again
                 **reach,
             )
 
@@ -290,7 +291,14 @@ class _AcrossGroups:
         if self._left:
             raise RuntimeError(f"this {type(self).__name__} left the replica groups (leave()): make a new strategy to train again")
         self._manager.start_quorum()
-        self._manager.wait_quorum()
+        try:
+            self._manager.wait_quorum()
+        except TimeoutError:
+            raise LaunchError(
+                f"group {self.group} got no quorum within {self.timeout:g}s: the lighthouse at {os.environ[LIGHTHOUSE_ENV]} "
+                "did not answer (it died or cannot be reached): start `loom lighthouse` there again, and the groups from their "
+                "last checkpoint"
+            ) from None
         self._check_same_job()
 
     def _check_same_job(self) -> None:
