@@ -246,7 +246,8 @@ def lighthouse_loss(steps: int, down: float, timeout: int = 20) -> dict:
     if down is None:
         ended = max(float(s["t"]) for s in _lines(out / "steps-1.jsonl") if "t" in s) - killed
         return result | {"last_commit_s": ended, "line": next((l for l in errors[0].splitlines() if "got no quorum" in l), None)}
-    return result | {"first_commit_after_kill_s": min(after), "first_commit_after_restart_s": min(after) - (restarted - killed),
+    since = restarted - killed
+    return result | {"first_commit_after_kill_s": min(after), "first_commit_after_restart_s": min(t for t in after if t > since) - since,
                      "launcher_lines": [line for err in errors for line in _group_lines(err) if "replicas =" not in line]}  # fmt: skip
 
 

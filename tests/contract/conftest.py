@@ -49,10 +49,7 @@ def _launched(root: Path, names: list[str]) -> dict[str, list[dict[str, Any]]]:
             assert code == 0, err[-3000:]
     else:
         processes = ["--groups", "2", "--nproc", "1"] if names == ON_TWO_GROUPS else ["--nproc", "2"]
-        # Each case's strategy leaves the groups and the next one joins: the lighthouse waits until the left
-        # Manager's heartbeat lapses. A live group that missed this long would leave and heal, still exactly.
-        env = {"LOOM_FT_HEARTBEAT_TIMEOUT_MS": "1000"} if names == ON_TWO_GROUPS else None
-        done = loom_run(["run", *processes, "--timeout", "60", *job], timeout=120 + 120 * len(names), env=env)
+        done = loom_run(["run", *processes, "--timeout", "60", *job], timeout=120 + 120 * len(names))
         assert done.returncode == 0, done.stderr[-3000:]
     return {name: [torch.load(root / name / f"results-{r}.pt", weights_only=True) for r in range(2)] for name in names}
 

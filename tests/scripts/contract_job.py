@@ -41,13 +41,13 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
     registered = REGISTERED.get(strategy_name, strategy_name)
     strategy = loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}))
 
-    made = [strategy]
+    made = [strategy]  # the last one made
 
     def make(**options):
-        if hasattr(made[-1], "leave"):  # replica groups: one strategy at a time
-            made[-1].leave()
-        made.append(loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}), **options))
-        return made[-1]
+        if hasattr(made[0], "leave"):  # replica groups: one strategy at a time
+            made[0].leave()
+        made[0] = loom.get_strategy(registered, timeout=60, **OPTIONS.get(strategy_name, {}), **options)
+        return made[0]
 
     results = {}
     for name in CASES:
@@ -61,8 +61,8 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
     if not dist.is_initialized():  # one process driving every device (TPUStrategy)
         torch.save(results, directory / "results-0.pt")
         return
-    if hasattr(made[-1], "leave"):
-        made[-1].leave()
+    if hasattr(made[0], "leave"):
+        made[0].leave()
     replica = int(os.environ.get(GROUP_ENV, 0)) * dist.get_world_size() + dist.get_rank()  # a pipeline's processes share replica 0
     torch.save(complete(_full(results)), directory / f"results-{replica}.pt")
 

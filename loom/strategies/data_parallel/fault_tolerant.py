@@ -56,7 +56,7 @@ from torch import nn
 from torch.distributed import ReduceOp
 
 from loom.comm.groups import ADDRESS_ENV, GROUP_ENV, GROUPS_ENV, JOB_ENV, LIGHTHOUSE_ENV, EventLog, in_groups
-from loom.checkpoint.layout import next_step, step_dir
+from loom.checkpoint.layout import step_dir
 from loom.compat import ft_healing, ft_quorum_id, ft_quorum_ranks, ft_record_quorums
 from loom.errors import CheckpointError, LaunchError
 from loom.strategies.base import unwrap
@@ -187,8 +187,11 @@ class _AcrossGroups:
         return max(0, self._manager.current_step() - 1) + self._resumed
 
     def _resume_at(self, batches: int) -> None:
-        """The job has trained ``batches`` global batches (a restored loader's position); a heal hands it on."""
+        """The job has trained ``batches`` global batches (a restored loader's position); a heal hands it on.
+        The position goes into the digest of the steps applied, which the groups compare at every step: groups
+        that restored different checkpoints (or one none) are told apart at their next step, as branches."""
         self._resumed = batches - max(0, self._manager.current_step() - 1)
+        self._history.resume(batches)
 
     # ---- model and optimizer ------------------------------------------------------------------
     def prepare(self, model: nn.Module, optimizer: Any = None, **options: Any) -> Any:  # type: ignore[override]
@@ -295,9 +298,8 @@ class _AcrossGroups:
             self._manager.wait_quorum()
         except TimeoutError:
             raise LaunchError(
-                f"group {self.group} got no quorum within {self.timeout:g}s: the lighthouse at {os.environ[LIGHTHOUSE_ENV]} "
-                "did not answer (it died or cannot be reached): start `loom lighthouse` there again, and the groups from their "
-                "last checkpoint"
+                f"group {self.group} got no quorum within {self.timeout:g}s from the lighthouse at {os.environ[LIGHTHOUSE_ENV]}: "
+                "if it died or cannot be reached, start `loom lighthouse` there again, and the groups from their last checkpoint"
             ) from None
         self._check_same_job()
 
@@ -341,6 +343,7 @@ class _AcrossGroups:
             if self.membership is None or self.membership.quorum_id != quorum_id:
                 self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
             self.membership = Membership(batch, members, count, rank, quorum_id, start, stop)
+            self._keeps_live_state = False
             self._in_step = True
             if self._early is not None:
                 self._early.begin(self.membership.samples / self._global_batch)
@@ -397,7 +400,8 @@ class _AcrossGroups:
             self._events.write("diverged", batch=self.membership.batch, groups=list(self.membership.groups))
             raise LaunchError(
                 f"group {self.group} trained other steps than group {min(self.membership.groups)} (the lighthouse split the quorum: "
-                "a group's heartbeat lapsed while both were at one step); it stops to be restarted and heal from it (--max-restarts)"
+                "a group's heartbeat lapsed while both were at one step; or the groups restored different checkpoints, or one none: "
+                "every group must restore the same one); it stops to be restarted and heal from it (--max-restarts)"
             )
         if committed:
             self._history.advance(self.membership.quorum_id)
@@ -455,6 +459,7 @@ class _AcrossGroups:
             self._optimizer.zero_grad(set_to_none=True)
         self._take_schedulers()
         if self._heal_applied:
+            self._keeps_live_state = True
             self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started, dropped=self._dropped)
             self._dropped = 0
 
@@ -513,13 +518,12 @@ class _AcrossGroups:
         if unsupported:
             raise ValueError(f"under --groups, distribute() does not take {', '.join(unsupported)}: the groups split each batch themselves")
         self._announce()
-        loader = GroupLoader(self, data, batch_size, shuffle, seed, collate_fn)
-        self._global_batch = loader.global_batch
-        return loader
+        return GroupLoader(self, data, batch_size, shuffle, seed, collate_fn)
 
     _global_batch = 1
     _left = False  # leave() was called: the Manager is shut down
     _resumed = 0  # global batches trained before this job's first step (a restored checkpoint's)
+    _keeps_live_state = False  # healed, and no batch trained since: a restore at the script's start loads nothing
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
     _synced = False  # clipping summed this step's gradients across the groups already
     _clip: tuple[float, float] | None = None  # the norm (and its type) the steps clip to, once a step has clipped
@@ -606,18 +610,21 @@ class _AcrossGroups:
 
     # ---- checkpoints and the end --------------------------------------------------------------
     def save(self, directory: Any, *, step: int | None = None, **options: Any) -> Any:  # type: ignore[override]
-        """Written by one group, the lowest of the last quorum: after its step every group in it holds the same
-        state, and two groups writing one directory (on one machine, or a shared file system) would race.
-        The other groups return its path without writing (on hosts that share no file system, the
-        checkpoint is on that group's host)."""
-        if self.group != min(self._quorum_groups()):
-            return step_dir(directory, step if step is not None else next_step(directory))
+        """Written by one group, the lowest that trained the last quorum's step (not one healing in it): after
+        the step every group holds the same state, and two groups writing one directory (on one machine, or
+        a shared file system) would race. The other groups return its path without writing (on hosts that
+        share no file system, the checkpoint is on that group's host). ``step`` defaults to the global batches the
+        job has trained."""
+        step = self.committed_batches() if step is None else step  # the same in every group, whatever each sees on disk
+        if self._manager.participating_rank() != 0:
+            return step_dir(directory, step)
         return super().save(directory, step=step, **options)  # type: ignore[misc]
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
-        """As every strategy restores; but a group that healed from a live group keeps the live state (the
-        checkpoint is older): it loads nothing and returns None, as if there were no checkpoint."""
-        if self._heal_applied:
+        """As every strategy restores; but a group that has just healed from a live group (and trained no batch
+        since) keeps the live state, which is newer than any checkpoint its script restores at its start: it loads
+        nothing and returns None, as if there were no checkpoint."""
+        if self._keeps_live_state:
             self.print(f"loom: group {self.group} healed from a live group and keeps its state: restore({directory}) loads nothing", file=sys.stderr)
             return None
         return super().restore(directory, **options)  # type: ignore[misc]

@@ -117,6 +117,7 @@ class GroupLoader:
                 f"{len(self.dataset) % self.global_batch}: train on a multiple of batch_size={self.global_batch} samples "
                 "(evaluation takes any number)"
             )
+        self.strategy._global_batch = self.global_batch  # the training loader's: its steps split and weigh this batch
         if self._started:
             self.epoch += 1
         self._started = True

@@ -38,6 +38,11 @@ class History:
         self.recent[self.steps] = self.value
         self.recent.pop(self.steps - KEPT, None)
 
+    def resume(self, batches: int) -> None:
+        """The job resumed from a checkpoint of ``batches`` global batches: a branch of its own, unless every group did the same."""
+        self.value = hash((self.value, "resumed", batches)) % _SPAN or 1
+        self.recent[self.steps] = self.value
+
     def state(self) -> dict[str, Any]:
         return {"value": self.value, "steps": self.steps, "recent": dict(self.recent)}
 
