@@ -445,7 +445,7 @@ def _slow_every_25th_batch(path, x):
 
 
 def test_read_ahead_stays_within_the_shared_buffers_when_the_loop_lags_after_a_slow_batch(tmp_path, monkeypatch):
-    from loom.data import shared_batches
+    from loom.data import process_workers, shared_batches
 
     misses, claim = [], shared_batches.BatchBuffers.claim
     monkeypatch.setattr(shared_batches.BatchBuffers, "claim", lambda self: misses.append(None) if (got := claim(self)) is None else got)
@@ -457,7 +457,10 @@ def test_read_ahead_stays_within_the_shared_buffers_when_the_loop_lags_after_a_s
         assert batch[0].item() == 40 * k
         ahead.append(len(noted.read_text().split()) // 4 - (k + 1))
         time.sleep(0.02)  # a loop slower than the workers, once the slow batch is past
-    assert max(ahead) <= loader._window.ahead and not misses, (max(ahead), len(misses))
+    # The window counts from the batch the receiver takes next, which is up to RECEIVED_AHEAD + 1 ahead of the
+    # loop (7 against a window of 6 was seen on a loaded machine); no claim of a shared buffer ever failed.
+    bound = loader._window.ahead + process_workers.RECEIVED_AHEAD + 1
+    assert max(ahead) <= bound and not misses, (max(ahead), bound, len(misses))
 
 
 def _fails_on_7(x):
