@@ -104,8 +104,11 @@ class GroupLoader:
                 f"the saved input position is for {state.get('samples')} samples in global batches of {state.get('global_batch')}; "
                 f"this data has {len(self.dataset)} in batches of {self.global_batch}: resume with the same data and global batch size"
             )
-        self.epoch, self._started = int(state["epoch"]), False
-        self.strategy._resume_at(self.epoch * len(self) + int(state["batch"]))
+        epoch, batch = int(state["epoch"]), int(state["batch"])  # a checkpoint's: checked before the job's position moves
+        if epoch < 0 or not 0 <= batch <= len(self):
+            raise ValueError(f"the saved input position (epoch {epoch}, batch {batch}) is outside this data's {len(self)} batches an epoch")
+        self.epoch, self._started = epoch, False
+        self.strategy._resume_at(epoch * len(self) + batch)
 
     def __iter__(self) -> Iterator[Any]:
         if not torch.is_grad_enabled():  # evaluation: no step follows, so no quorum decides the data
