@@ -7,7 +7,7 @@ import socket
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from loom.errors import RankFailureError
-from loom.launch.failures import cause, report
+from loom.launch.failures import cause, killed_after_sigterm, report
 
 HOST = socket.gethostname()
 
@@ -55,11 +55,17 @@ def test_a_rank_killed_alone_is_the_cause_even_by_sigterm(tmp_path):
 
 def test_a_hung_rank_the_agent_had_to_kill_is_named_as_stopped_by_loom_for_the_hang(tmp_path):
     survivor, stuck = failure(tmp_path, 0, RankFailureError.EXIT_CODE), failure(tmp_path, 1, -signal.SIGKILL)
-    stuck.timestamp = survivor.timestamp + 30  # the agent's SIGTERM waited for it in vain
     hung = {1: "stopped responding (no heartbeat for 30s)"}
     assert cause({0: survivor, 1: stuck}, world_size=2, hung=hung) == (
         f"rank 1 on {HOST} (pid 1001) stopped responding (no heartbeat for 30s), and loom stopped it for the hang (SIGKILL); "
         "rank(s) 0 stopped because of it"
     )
-    stuck.timestamp = survivor.timestamp  # killed at once: not the agent's kill after its SIGTERM
-    assert cause({0: survivor, 1: stuck}, world_size=2, hung=hung) == f"rank 1 on {HOST} (pid 1001) was killed by SIGKILL; rank(s) 0 stopped because of it"
+    assert cause({0: survivor, 1: stuck}, world_size=2) == f"rank 1 on {HOST} (pid 1001) was killed by SIGKILL; rank(s) 0 stopped because of it"
+
+
+def test_only_a_late_sigkill_is_torchs_agents_kill_after_its_sigterm(tmp_path):
+    survivor, stuck = failure(tmp_path, 0, RankFailureError.EXIT_CODE), failure(tmp_path, 1, -signal.SIGKILL)
+    assert not killed_after_sigterm(stuck, survivor.timestamp)  # killed at once: by someone else
+    stuck.timestamp = survivor.timestamp + 30  # the agent's SIGTERM waited for it in vain
+    assert killed_after_sigterm(stuck, survivor.timestamp)
+    assert not killed_after_sigterm(survivor, survivor.timestamp)
