@@ -48,6 +48,7 @@ from loom.launch.zygote import WORKER, ForkedWorker, Forker
 
 SERVER_SAVE_SECONDS = 2.0
 SERVER_EXIT_GRACE = 30.0  # after the last worker, how long a one-machine job waits for its servers to exit
+FAILED_JOB_PATIENCE = 3.0  # seconds a server of a failed job has to hear that a worker stopped
 JOB_FAILED_BY_ANOTHER = "JobFailedError: "  # how a worker told by the servers that another task failed the job records it
 TOKEN_HELP = "set the same secret in LOOM_PS_TOKEN on every machine (make one with: python -c 'import secrets; print(secrets.token_hex(16))')"
 
@@ -211,8 +212,11 @@ class _Job:
             print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
         return f"failed: {message}"
 
-    def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
-        """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
+    def _tell_servers(self, worker: int, pid: int, code: int, finished: bool, job_failed: bool = False) -> None:
+        """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good.
+
+        Once the job has failed there is no push to settle, and each server is told on its own and
+        briefly: one that died with the job must not keep the others refusing for their grace."""
         from loom.strategies.parameter_server.client import ServerClient
         from loom.strategies.parameter_server.job_failure import JobFailedError
         from loom.strategies.parameter_server.settle import settle
@@ -220,9 +224,10 @@ class _Job:
         from loom.strategies.parameter_server.variables import worker_name
 
         tls = TLS.from_env(env=self.env)
-        clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0, tls=tls) for address in self.servers]
+        deadline, patience = (FAILED_JOB_PATIENCE, FAILED_JOB_PATIENCE) if job_failed else (10.0, 30.0)
+        clients = [ServerClient(address, self.token, deadline=deadline, patience=patience, tls=tls) for address in self.servers]
         try:
-            if code != 0:
+            if code != 0 and not job_failed:
                 try:
                     for line in settle(clients, worker_name(worker, pid)):
                         _say(f"worker {worker} died mid-push: {line}")
@@ -230,7 +235,11 @@ class _Job:
                     pass  # the servers apply nothing more: there is no push to settle
             if finished:
                 for client in clients:
-                    client.call({"op": "finish", "worker": worker, "code": code})
+                    try:
+                        client.call({"op": "finish", "worker": worker, "code": code})
+                    except LoomError:
+                        if not job_failed:
+                            raise  # else it died with the job, or stops refusing after its grace
         except LoomError as error:
             _say(f"could not reach the servers about worker {worker} ({error}); they serve until stopped")
         finally:
@@ -292,7 +301,7 @@ class _Job:
                     del running[worker]
                     why = self._why(worker, code) if code != 0 else ""
                     if why.startswith(f"failed: {JOB_FAILED_BY_ANOTHER}"):  # no restart: the job is over
-                        self._tell_servers(worker, proc.pid, code, finished=True)
+                        self._tell_servers(worker, proc.pid, code, finished=True, job_failed=True)
                         _say(f"job failed: {why.split(PREFIX, 1)[-1].removesuffix('; this worker stops')}; worker {worker} stopped")
                         return 1
                     again = code != 0 and restarts[worker] < self.max_restarts
