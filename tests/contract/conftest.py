@@ -30,6 +30,21 @@ if importlib.util.find_spec("torchft") is not None:  # the ft extra
     STRATEGIES += ON_TWO_GROUPS
 
 
+def _job(strategy: str) -> str:
+    """The launched job that runs ``strategy``'s cases."""
+    return "two_local_processes" if strategy in ON_TWO_LOCAL_PROCESSES else "two_groups" if strategy in ON_TWO_GROUPS else strategy
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of one job share one xdist worker, which runs the job once; other jobs run beside it."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in item.path.parents:
+            strategy = item.callspec.params.get("strategy", "one_device") if hasattr(item, "callspec") else "one_device"
+            item.add_marker(pytest.mark.xdist_group(f"contract_{_job(strategy)}"))
+
+
 def _one_device(directory: Path) -> list[dict[str, Any]]:
     make = lambda **options: loom.OneDeviceStrategy(**options)  # noqa: E731
     results = {}

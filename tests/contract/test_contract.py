@@ -19,8 +19,6 @@ from tests.contract.local_reference import LOCAL, OUTER, SIMULATED, simulate
 
 PIPELINE_EAGER = "PipelineStrategy runs forward and backward together in its schedule, so the eager loop"
 
-pytestmark = pytest.mark.xdist_group("contract")  # its tests share one launched job: one test process runs them all
-
 TOLERANCE = 1e-5
 # Low precision rounds each replica's matmuls over its own slice of the batch. Measured apart from
 # one replica: bf16 1.8e-4 (as far as bf16 is from fp32), fp16 1.0e-5; the forward's dtype shows
