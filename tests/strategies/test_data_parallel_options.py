@@ -1,6 +1,7 @@
 """DDP's options through MirroredStrategy, in one 2-rank job shared by the assertions."""
 
 import contextlib
+import gc
 import io
 
 import pytest
@@ -68,6 +69,20 @@ def _resumed_batchnorm(strategy, directory):
     return runs
 
 
+def _saved_beside_another(strategy, directory):
+    """Process 0 still holds a prepared model the others dropped (their garbage collector ran, its
+    did not): a save of another model sends that model's buffers only, in every process alike."""
+    kept = [strategy.prepare(_with_batchnorm())]
+    if strategy.replica_id != 0:
+        kept.clear()
+        gc.collect()
+    model, opt = strategy.prepare(_with_batchnorm(), lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy.train_step(model, F.cross_entropy, opt)(*next(iter(_batches(strategy))))
+    saved = strategy.save(directory / "beside", step=1, model=model, optimizer=opt)
+    del kept
+    return saved is not None
+
+
 def _job(directory):
     found = {}
     strategy = loom.MirroredStrategy(timeout=120)
@@ -98,6 +113,7 @@ def _job(directory):
     found["static_graph_accumulated"] = _train_batchnorm(loom.MirroredStrategy(timeout=120, static_graph=True), accumulate=2)
     found["accumulated"] = _train_batchnorm(strategy, accumulate=2)
     found["batchnorm_resumed"] = _resumed_batchnorm(strategy, directory)
+    found["saved_beside_another"] = _saved_beside_another(strategy, directory)
 
     model, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
     calls = []
@@ -169,6 +185,10 @@ def test_static_graph_with_accumulation_equals_plain_accumulation(job):
     for rank in job:
         for key, value in rank["accumulated"].items():
             torch.testing.assert_close(rank["static_graph_accumulated"][key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
+def test_a_save_syncs_the_buffers_of_the_models_it_saves_not_of_every_model_still_alive(job):
+    assert [rank["saved_beside_another"] for rank in job] == [True, True]
 
 
 def test_a_batchnorm_model_resumes_exactly(job):

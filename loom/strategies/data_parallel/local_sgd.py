@@ -47,7 +47,6 @@ replicas is warned about, since the run goes on differently from then.
 from __future__ import annotations
 
 import warnings
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -198,7 +197,10 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
             )
         super().__init__(num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend)
         self.sync_every = sync_every
-        self._replicas: weakref.WeakKeyDictionary[nn.Module, Replicas] = weakref.WeakKeyDictionary()  # by the user's module
+        # By the user's module, in the order prepared, held for the strategy's life: ``sync`` meets for
+        # each, and every process must meet for the same ones. Which dropped models a process still
+        # holds would be its garbage collector's doing (autograd's hooks keep cycles it cannot see).
+        self._replicas: dict[nn.Module, Replicas] = {}
 
     _overlap_sync = False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import weakref
 from contextlib import ExitStack
+from collections.abc import Iterable
 from typing import Any, ContextManager
 
 import torch
@@ -168,11 +169,28 @@ class MirroredStrategy(Strategy):
         """DDP hands every replica replica 0's buffers (BatchNorm statistics) at the next forward;
         the checkpoint holds those too, so a resumed run equals one that went on."""
         with self._guard():
-            for ddp in self._ddp:
+            for ddp in self._replicated_in(options.values()):
                 if ddp_syncs_buffers(ddp):
                     for buffer in ddp.module.buffers():
                         comm.broadcast(buffer, 0)
         return super().save(directory, **options)
+
+    def _replicated_in(self, items: Iterable[Any]) -> list[ReplicatedModule]:
+        """The prepared models among ``items`` or inside them (wrapped or not), in the items' order.
+
+        Not every model prepared that still lives: a process's garbage collector decides when a
+        dropped one goes, so another process may hold a different set, and its collectives would
+        not match."""
+        ours = {}
+        for ddp in self._ddp:
+            ours[id(ddp)] = ours[id(ddp.module)] = ddp
+        found: list[ReplicatedModule] = []
+        for item in items:
+            for module in item.modules() if isinstance(item, nn.Module) else ():
+                ddp = ours.get(id(module))
+                if ddp is not None and not any(ddp is f for f in found):
+                    found.append(ddp)
+        return found
 
 
 AUTO_BUCKETS = 8

@@ -1,0 +1,39 @@
+"""Local SGD's sync meets for the models the program holds, whatever each process's garbage collector has done."""
+
+import gc
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import loom
+from tests.helpers import run_ranks
+
+
+def _sync_after_a_model_was_dropped():
+    strategy = loom.LocalSGDStrategy(sync_every=4)
+    x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(strategy.replica_id)), torch.zeros(8, dtype=torch.long)
+    dropped, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    dropped.__dict__["loop"] = dropped  # a reference cycle: only the collector frees it
+    strategy.backward(F.cross_entropy(dropped(x), y))
+    opt.step()  # the replicas are apart: its sync is due
+    gc.disable()  # the collector runs when it runs: here, in process 1 only
+    del dropped, opt
+    if strategy.replica_id == 1:
+        gc.collect()
+    model, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
+    strategy.backward(F.cross_entropy(model(x), y))
+    opt.step()
+    apart = [p.detach().clone() for p in loom.unwrap(model).parameters()]
+    strategy.sync()
+    gc.enable()
+    synced = [p.detach().clone() for p in loom.unwrap(model).parameters()]
+    strategy.shutdown()
+    return apart, synced
+
+
+def test_a_sync_meets_for_the_same_models_in_every_process_whatever_their_collectors_did():
+    (apart_0, synced_0), (apart_1, synced_1) = run_ranks(_sync_after_a_model_was_dropped, 2, timeout=120)
+    for a, b, s0, s1 in zip(apart_0, apart_1, synced_0, synced_1):
+        assert not torch.equal(a, b)
+        assert torch.allclose(s0, (a + b) / 2) and torch.equal(s0, s1)
