@@ -74,16 +74,18 @@ def test_fit_is_recorded_and_its_bookkeeping_is_not_input(capsys):
     strategy = loom.OneDeviceStrategy()
     data = TensorDataset(torch.randn(48, 4), torch.randint(0, 2, (48,)))
 
+    bookkeeping = 4 * WAIT  # far above what a loaded machine adds to reading a batch (39 ms was seen)
+
     class SlowCallback(loom.Callback):
         def on_batch_end(self, state, loss):
-            time.sleep(WAIT)
+            time.sleep(bookkeeping)
 
     loom.fit(Slow(), F.cross_entropy, lambda p: SlowOptimizer(p, lr=0.1), data, batch_size=8, strategy=strategy, callbacks=[SlowCallback()])
     printed = capsys.readouterr().out
     assert "step breakdown: 5 step(s) per rank" in printed and "verdict: " in printed, printed
     row = printed.splitlines()[printed.splitlines().index(next(l for l in printed.splitlines() if l.startswith("rank"))) + 1]
     input_ms, compute_ms, comm_ms, optimizer_ms, other_ms = map(float, row.split()[2:7])
-    assert input_ms < WAIT * 1e3 / 2 and other_ms >= WAIT * 1e3 and compute_ms >= WAIT * 1e3 and optimizer_ms >= WAIT * 1e3, printed
+    assert input_ms < bookkeeping * 1e3 / 2 and other_ms >= bookkeeping * 1e3 and compute_ms >= WAIT * 1e3 and optimizer_ms >= WAIT * 1e3, printed
 
 
 def test_reset_starts_a_window_and_skips_its_first_step():
