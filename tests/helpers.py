@@ -6,6 +6,7 @@ They are forked from one zygote per test process, which has imported torch and l
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -15,6 +16,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -284,3 +286,12 @@ def read_progress(out: Path) -> list[tuple[int, int, int]]:
     path = out.with_name(out.name + ".progress")
     words = path.read_text().split() if path.exists() else []
     return [tuple(map(int, words[i : i + 3])) for i in range(0, len(words) - 2, 3)]
+
+
+def collected(ref: weakref.ref, within: float = 30.0) -> bool:
+    """Collect garbage until ``ref``'s object is gone (a background thread may hold it for a moment); whether it went."""
+    deadline = time.monotonic() + within
+    while ref() is not None and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    return ref() is None

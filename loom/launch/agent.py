@@ -118,6 +118,7 @@ class HangStops:
 
     def __init__(self) -> None:
         self.killed: dict[int, str] = {}  # rank -> how the others found it, this attempt
+        self._store: dist.TCPStore | None = None
         self._store_lost = False
 
     def signal_for(self, env: Mapping[str, str], death_sig: signal.Signals) -> signal.Signals:
@@ -126,7 +127,7 @@ class HangStops:
             return death_sig
         key = f"{PREFIX}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/hung/{env['RANK']}"
         try:
-            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2))
+            store = self._store_at(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
             if not store.check([key]):
                 return death_sig
             self.killed[int(env["RANK"])] = store.get(key).decode()
@@ -135,9 +136,18 @@ class HangStops:
             return death_sig
         return signal.SIGKILL
 
+    def _store_at(self, host: str, port: int) -> dist.TCPStore:
+        """One client for the workers of an attempt; a plain probe first, as a failed connect of TCPStore's
+        prints a C++ stack and takes seconds."""
+        if self._store is None:
+            socket.create_connection((host, port), timeout=1).close()
+            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2))
+        return self._store
+
     def new_attempt(self) -> None:
+        """Workers start (again): what was killed, and the store's client, were the last attempt's."""
         self.killed.clear()
-        self._store_lost = False
+        self._store, self._store_lost = None, False
 
 
 class ReportingAgent(LocalElasticAgent):
@@ -159,6 +169,10 @@ class ReportingAgent(LocalElasticAgent):
         with RendezvousWatch(self._node, attempt, self._wait_report):
             super()._rendezvous(worker_group)
 
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        self._stops.new_attempt()
+        super()._initialize_workers(worker_group)
+
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._last_result = super()._monitor_workers(worker_group)
         self._hung.clear()
@@ -173,7 +187,6 @@ class ReportingAgent(LocalElasticAgent):
         namespace = f"{PREFIX}/{worker_group.spec.max_restarts - self._remaining_restarts}"  # the workers' TORCHELASTIC_RESTART_COUNT
         first = min(f.timestamp for f in result.failures.values())
         self._hung.update((rank, how) for rank, how in self._stops.killed.items() if rank in result.failures)
-        self._stops.new_attempt()
         try:
             store = dist.TCPStore(
                 worker_group.master_addr, worker_group.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)

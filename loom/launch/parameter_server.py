@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,11 +213,8 @@ class _Job:
             print(traceback, end="" if traceback.endswith("\n") else "\n", file=sys.stderr, flush=True)
         return f"failed: {message}"
 
-    def _tell_servers(self, worker: int, pid: int, code: int, finished: bool, job_failed: bool = False) -> None:
-        """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good.
-
-        Once the job has failed there is no push to settle, and each server is told on its own and
-        briefly: one that died with the job must not keep the others refusing for their grace."""
+    def _tell_servers(self, worker: int, pid: int, code: int, finished: bool) -> None:
+        """Settle a dead worker's last push; tell the servers (maybe on other machines) when it is done for good."""
         from loom.strategies.parameter_server.client import ServerClient
         from loom.strategies.parameter_server.job_failure import JobFailedError
         from loom.strategies.parameter_server.settle import settle
@@ -224,10 +222,9 @@ class _Job:
         from loom.strategies.parameter_server.variables import worker_name
 
         tls = TLS.from_env(env=self.env)
-        deadline, patience = (FAILED_JOB_PATIENCE, FAILED_JOB_PATIENCE) if job_failed else (10.0, 30.0)
-        clients = [ServerClient(address, self.token, deadline=deadline, patience=patience, tls=tls) for address in self.servers]
+        clients = [ServerClient(address, self.token, deadline=10.0, patience=30.0, tls=tls) for address in self.servers]
         try:
-            if code != 0 and not job_failed:
+            if code != 0:
                 try:
                     for line in settle(clients, worker_name(worker, pid)):
                         _say(f"worker {worker} died mid-push: {line}")
@@ -235,16 +232,41 @@ class _Job:
                     pass  # the servers apply nothing more: there is no push to settle
             if finished:
                 for client in clients:
-                    try:
-                        client.call({"op": "finish", "worker": worker, "code": code})
-                    except LoomError:
-                        if not job_failed:
-                            raise  # else it died with the job, or stops refusing after its grace
+                    client.call({"op": "finish", "worker": worker, "code": code})
         except LoomError as error:
             _say(f"could not reach the servers about worker {worker} ({error}); they serve until stopped")
         finally:
             for client in clients:
                 client.close()
+
+    def _tell_servers_the_job_failed_for(self, worker: int, code: int) -> None:
+        """The job has failed: no push to settle; tell every server at once that ``worker`` stopped, within
+        FAILED_JOB_PATIENCE in all, so that none refuses on for its grace. One that died with the job cannot hear."""
+        from loom.strategies.parameter_server.client import ServerClient
+        from loom.strategies.parameter_server.transport import TLS
+
+        tls = TLS.from_env(env=self.env)
+        missed: list[str] = []
+
+        def tell(address: str) -> None:
+            client = ServerClient(address, self.token, deadline=FAILED_JOB_PATIENCE, patience=FAILED_JOB_PATIENCE, tls=tls)
+            try:
+                client.call({"op": "finish", "worker": worker, "code": code})
+            except LoomError:
+                missed.append(address)
+            finally:
+                client.close()
+
+        threads = [threading.Thread(target=tell, args=(address,), daemon=True) for address in self.servers]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 2 * FAILED_JOB_PATIENCE
+        for thread, address in zip(threads, self.servers):
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                missed.append(address)
+        if missed:
+            _say(f"the servers at {', '.join(sorted(set(missed)))} did not hear that worker {worker} stopped (gone with the job?)")
 
     def run(self, servers_here: list[int], workers_here: list[int]) -> int:
         from loom.strategies.parameter_server.job_failure import JOB_FAILED, PREFIX
@@ -301,7 +323,7 @@ class _Job:
                     del running[worker]
                     why = self._why(worker, code) if code != 0 else ""
                     if why.startswith(f"failed: {JOB_FAILED_BY_ANOTHER}"):  # no restart: the job is over
-                        self._tell_servers(worker, proc.pid, code, finished=True, job_failed=True)
+                        self._tell_servers_the_job_failed_for(worker, code)
                         _say(f"job failed: {why.split(PREFIX, 1)[-1].removesuffix('; this worker stops')}; worker {worker} stopped")
                         return 1
                     again = code != 0 and restarts[worker] < self.max_restarts

@@ -1,8 +1,8 @@
 """DDP's options through MirroredStrategy, in one 2-rank job shared by the assertions."""
 
 import contextlib
-import gc
 import io
+import weakref
 
 import pytest
 import torch
@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 import loom
-from tests.helpers import run_ranks
+from tests.helpers import collected, run_ranks
 
 pytestmark = pytest.mark.xdist_group("data_parallel_options")  # its tests share one launched job: one test process runs them all
 
@@ -73,9 +73,10 @@ def _saved_beside_another(strategy, directory):
     """Process 0 still holds a prepared model the others dropped (their garbage collector ran, its
     did not): a save of another model sends that model's buffers only, in every process alike."""
     kept = [strategy.prepare(_with_batchnorm())]
+    gone = weakref.ref(kept[0])
     if strategy.replica_id != 0:
         kept.clear()
-        gc.collect()
+        assert collected(gone), "the dropped model was not freed"
     model, opt = strategy.prepare(_with_batchnorm(), lambda p: torch.optim.SGD(p, lr=0.1))
     strategy.train_step(model, F.cross_entropy, opt)(*next(iter(_batches(strategy))))
     saved = strategy.save(directory / "beside", step=1, model=model, optimizer=opt)

@@ -1,32 +1,31 @@
-"""Local SGD's sync meets for the models the program holds, whatever each process's garbage collector has done."""
+"""Local SGD's sync meets for the same models in every process, whatever each one's garbage collector has done."""
 
-import gc
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import loom
-from tests.helpers import run_ranks
+from tests.helpers import collected, run_ranks
 
 
 def _sync_after_a_model_was_dropped():
     strategy = loom.LocalSGDStrategy(sync_every=4)
     x, y = torch.randn(8, 4, generator=torch.Generator().manual_seed(strategy.replica_id)), torch.zeros(8, dtype=torch.long)
     dropped, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
-    dropped.__dict__["loop"] = dropped  # a reference cycle: only the collector frees it
     strategy.backward(F.cross_entropy(dropped(x), y))
-    opt.step()  # the replicas are apart: its sync is due
-    gc.disable()  # the collector runs when it runs: here, in process 1 only
+    opt.step()  # its replicas are apart: they meet at the next sync
+    kept, gone = [dropped], weakref.ref(dropped)
     del dropped, opt
-    if strategy.replica_id == 1:
-        gc.collect()
+    if strategy.replica_id == 1:  # process 1 lets go of it, and its collector frees it; process 0 still holds it
+        kept.clear()
+        assert collected(gone), "the dropped model was not freed"
     model, opt = strategy.prepare(nn.Linear(4, 2), lambda p: torch.optim.SGD(p, lr=0.1))
     strategy.backward(F.cross_entropy(model(x), y))
     opt.step()
     apart = [p.detach().clone() for p in loom.unwrap(model).parameters()]
     strategy.sync()
-    gc.enable()
     synced = [p.detach().clone() for p in loom.unwrap(model).parameters()]
     strategy.shutdown()
     return apart, synced

@@ -47,6 +47,7 @@ replicas is warned about, since the run goes on differently from then.
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -65,7 +66,12 @@ class Replicas:
     """One prepared model's parameters across replicas: counts inner steps, syncs every ``every``."""
 
     def __init__(
-        self, module: nn.Module, every: int, outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None, overlap: bool = False
+        self,
+        module: nn.Module,
+        every: int,
+        outer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None,
+        overlap: bool = False,
+        apart: dict[int, Replicas] | None = None,
     ) -> None:
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
@@ -80,6 +86,7 @@ class Replicas:
         self.outer_steps = 0
         self.in_flight: InFlight | None = None  # overlapped: the last period's pseudo-gradient, being averaged
         self._outer_factory = outer
+        self._apart = {} if apart is None else apart  # the strategy's: every Replicas apart, in the order they stepped
         self.reset()
 
     def reset(self) -> None:
@@ -100,6 +107,10 @@ class Replicas:
         self.pending += 1
         if self.pending >= self.every:
             self.sync_overlapped() if self.overlap else self.sync()
+        if self.apart:
+            self._apart.setdefault(id(self), self)
+        else:
+            self._apart.pop(id(self), None)
 
     @property
     def apart(self) -> bool:
@@ -197,10 +208,11 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
             )
         super().__init__(num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend)
         self.sync_every = sync_every
-        # By the user's module, in the order prepared, held for the strategy's life: ``sync`` meets for
-        # each, and every process must meet for the same ones. Which dropped models a process still
-        # holds would be its garbage collector's doing (autograd's hooks keep cycles it cannot see).
-        self._replicas: dict[nn.Module, Replicas] = {}
+        self._replicas: weakref.WeakKeyDictionary[nn.Module, Replicas] = weakref.WeakKeyDictionary()  # by the user's module
+        # Those whose replicas stepped since they last met, held until they meet: ``sync`` meets for these, the
+        # same in every process. (Not every model that still lives: when a dropped one goes is each
+        # process's garbage collector's doing.)
+        self._apart: dict[int, Replicas] = {}
 
     _overlap_sync = False
 
@@ -211,7 +223,7 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         with torch.no_grad():  # every replica starts from rank 0's model, as DDP's would
             for tensor in [*module.parameters(), *module.buffers()]:
                 comm.broadcast(tensor.data, 0)
-        self._replicas[module] = Replicas(module, self.sync_every, self._outer_optimizer(), self._overlap_sync)
+        self._replicas[module] = Replicas(module, self.sync_every, self._outer_optimizer(), self._overlap_sync, self._apart)
         return module
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory | None = None, **options: Any) -> Any:
@@ -224,11 +236,13 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         return wrapped, LocalStepOptimizer(opt, self._replicas[model])
 
     def sync(self) -> None:
-        """Meet now and agree, for every prepared model whose replicas stepped (or have a sync in flight) since they last agreed."""
+        """Meet now and agree, for every prepared model whose replicas stepped (or have a sync in flight) since they last
+        agreed, dropped ones included: every process meets for the same models, in the order they first stepped."""
         with self._guard():
-            for replicas in self._replicas.values():
+            for key, replicas in list(self._apart.items()):
                 if replicas.apart:
                     replicas.sync()
+                del self._apart[key]
 
     def _prepared(self, state: dict[str, Any]) -> dict[str, Replicas]:
         return {name: self._replicas[unwrap(m)] for name, m in state.items() if isinstance(m, nn.Module) and unwrap(m) in self._replicas}

@@ -24,7 +24,7 @@ from loom.compat import DDP_BUFFER_SYNC, ddp_backward_syncs, ddp_syncs_buffers, 
 from loom.comm.compression import Compression, PowerSGD, check_compression, choose_compression, compression_hook, measure_bandwidth
 from loom.devices import apply_thread_budget, local_device
 from loom.errors import ClusterError, LaunchError
-from loom.strategies.base import Strategy
+from loom.strategies.base import Strategy, unwrap
 from loom.strategies.data_parallel.sync_batchnorm import convert_sync_batchnorm, refuse_torch_sync_batchnorm
 
 
@@ -182,8 +182,8 @@ class MirroredStrategy(Strategy):
         dropped one goes, so another process may hold a different set, and its collectives would
         not match."""
         ours = {}
-        for ddp in self._ddp:
-            ours[id(ddp)] = ours[id(ddp.module)] = ddp
+        for ddp in self._ddp:  # the wrapper, the module it wraps (maybe compiled) and the user's own module
+            ours[id(ddp)] = ours[id(ddp.module)] = ours[id(unwrap(ddp))] = ddp
         found: list[ReplicatedModule] = []
         for item in items:
             for module in item.modules() if isinstance(item, nn.Module) else ():
