@@ -8,6 +8,7 @@ from torch import nn
 
 import loom
 from loom.diagnostics.advise import recommend
+from loom.diagnostics import report
 from loom.diagnostics.report import BreakdownReport, mention_advice
 from loom.diagnostics.verdict import RankTimes, Verdict
 
@@ -87,7 +88,8 @@ class _SlowLinkStrategy:
         return tensor
 
 
-def test_end_of_run_mentions_a_recommendation_other_than_the_strategy_in_use(capsys):
+def test_end_of_run_mentions_a_recommendation_other_than_the_strategy_in_use(capsys, monkeypatch):
+    monkeypatch.setattr(report, "PROBE_BYTES", 2**16)  # the link's rate, measured without seconds of sleep
     ranks = [RankTimes(r, "h", {"compute": 0.01, "total": 0.02}, steps=5, samples=40) for r in range(2)]
     result = BreakdownReport(ranks, Verdict("compute-bound", ""), None, 1000.0)
     mention_advice(_SlowLinkStrategy(), Sparse(), torch.arange(16).reshape(2, 8), result)
