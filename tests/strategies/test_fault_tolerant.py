@@ -17,6 +17,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ import loom
 pytest.importorskip("torchft", reason="the ft extra: pip install loom[ft]")  # installed by make
 
 from loom.strategies.data_parallel.fault_tolerant_overlap import EarlySums  # noqa: E402
-from tests.helpers import LOOM, ROOT, SCRIPTS, job_env  # noqa: E402
+from tests.helpers import LOOM, ROOT, SCRIPTS, job_env, run  # noqa: E402
 from tests.netns import network, on_host, shape, why_no_namespaces  # noqa: E402
 from tests.strategies.ft_jobs import assert_close, assert_two_groups_trained_as_one_device, evaluated, finish, ft_train, kill_the_dying_group, lighthouse, no_job_left, one_device, read_steps, samples_per_epoch, start_job  # noqa: E402, F401
 
@@ -234,6 +235,9 @@ def test_groups_that_restored_different_checkpoints_are_told_apart_at_their_next
         return History.diverged(sum(h.slots(g, len(histories)) for g, h in enumerate(histories)))
 
     assert diverged(resumed(8), resumed(8), resumed(8)) == []
+    digest = "from loom.strategies.data_parallel.fault_tolerant_history import History as H; h = H(); h.advance(1); h.resume(8); print(h.value)"
+    in_other_processes = {run([sys.executable, "-c", digest], timeout=60, env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert in_other_processes == {f"{resumed(8).value}\n"}  # the groups are processes of their own, each with its own hash seed
     assert diverged(resumed(8), resumed(None), resumed(4)) == [1, 2]
     assert diverged(resumed(None), resumed(8)) == [1]
 

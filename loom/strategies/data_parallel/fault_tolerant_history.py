@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 _SPAN = 2**52  # digests are whole numbers a float64 holds exactly
+_RESUMED = -1  # marks a resume in the digest (quorum ids are never negative)
 KEPT = 1024  # recent steps whose digests are kept (and handed over with a heal): a longer branch cannot be told
 
 
@@ -40,7 +41,7 @@ class History:
 
     def resume(self, batches: int) -> None:
         """The job resumed from a checkpoint of ``batches`` global batches: a branch of its own, unless every group did the same."""
-        self.value = hash((self.value, "resumed", batches)) % _SPAN or 1
+        self.value = hash((self.value, _RESUMED, batches)) % _SPAN or 1  # ints only: a str's hash differs from process to process
         self.recent[self.steps] = self.value
 
     def state(self) -> dict[str, Any]:
