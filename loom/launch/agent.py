@@ -186,7 +186,7 @@ class ReportingAgent(LocalElasticAgent):
         And read which of them the others named hung: this agent's kill of those is loom's, for the hang."""
         namespace = f"{PREFIX}/{worker_group.spec.max_restarts - self._remaining_restarts}"  # the workers' TORCHELASTIC_RESTART_COUNT
         first = min(f.timestamp for f in result.failures.values())
-        self._hung.update((rank, how) for rank, how in self._stops.killed.items() if rank in result.failures)
+        self._hung.update((rank, how) for rank, how in self._stops.killed.items() if rank in result.failures and result.failures[rank].exitcode == -signal.SIGKILL)
         try:
             store = dist.TCPStore(
                 worker_group.master_addr, worker_group.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)

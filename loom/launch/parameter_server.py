@@ -240,7 +240,7 @@ class _Job:
                 client.close()
 
     def _tell_servers_the_job_failed_for(self, worker: int, code: int) -> None:
-        """The job has failed: no push to settle; tell every server at once that ``worker`` stopped, within
+        """The job has failed: no push to settle; tell every server at once that ``worker`` stopped, within twice
         FAILED_JOB_PATIENCE in all, so that none refuses on for its grace. One that died with the job cannot hear."""
         from loom.strategies.parameter_server.client import ServerClient
         from loom.strategies.parameter_server.transport import TLS
@@ -249,13 +249,15 @@ class _Job:
         missed: list[str] = []
 
         def tell(address: str) -> None:
-            client = ServerClient(address, self.token, deadline=FAILED_JOB_PATIENCE, patience=FAILED_JOB_PATIENCE, tls=tls)
+            client = None
             try:
+                client = ServerClient(address, self.token, deadline=FAILED_JOB_PATIENCE, patience=FAILED_JOB_PATIENCE, tls=tls)
                 client.call({"op": "finish", "worker": worker, "code": code})
-            except LoomError:
+            except Exception:  # noqa: BLE001 - whatever it was, that server did not hear; named below
                 missed.append(address)
             finally:
-                client.close()
+                if client is not None:
+                    client.close()
 
         threads = [threading.Thread(target=tell, args=(address,), daemon=True) for address in self.servers]
         for thread in threads:

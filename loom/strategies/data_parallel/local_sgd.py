@@ -86,7 +86,8 @@ class Replicas:
         self.outer_steps = 0
         self.in_flight: InFlight | None = None  # overlapped: the last period's pseudo-gradient, being averaged
         self._outer_factory = outer
-        self._apart = {} if apart is None else apart  # the strategy's: every Replicas apart, in the order they stepped
+        self.module = weakref.ref(module)  # the user's: a dropped one may still have to meet (``LocalSGDStrategy._apart``)
+        self._apart = {} if apart is None else apart  # the strategy's: every Replicas apart, in the order they went apart
         self.reset()
 
     def reset(self) -> None:
@@ -107,6 +108,10 @@ class Replicas:
         self.pending += 1
         if self.pending >= self.every:
             self.sync_overlapped() if self.overlap else self.sync()
+        self.noted()
+
+    def noted(self) -> None:
+        """Tell the strategy whether these replicas are apart (they stepped, or restored a period, since they met)."""
         if self.apart:
             self._apart.setdefault(id(self), self)
         else:
@@ -219,7 +224,19 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
     def _outer_optimizer(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None:
         return None
 
+    def _forget_dropped(self) -> None:
+        """Let go of the apart models that every process has dropped (collective): nobody trains them or
+        meets for them again. One that some process still holds stays, so that every process meets for it."""
+        entries = list(self._apart.items())
+        if not entries:
+            return  # in every process alike: they prepared and stepped the same models
+        held = comm.all_reduce(torch.tensor([float(r.module() is not None) for _, r in entries]), "max")
+        for (key, _), anywhere in zip(entries, held.tolist()):
+            if not anywhere:
+                del self._apart[key]
+
     def _wrap_model(self, module: nn.Module) -> nn.Module:
+        self._forget_dropped()
         with torch.no_grad():  # every replica starts from rank 0's model, as DDP's would
             for tensor in [*module.parameters(), *module.buffers()]:
                 comm.broadcast(tensor.data, 0)
@@ -237,8 +254,10 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
 
     def sync(self) -> None:
         """Meet now and agree, for every prepared model whose replicas stepped (or have a sync in flight) since they last
-        agreed, dropped ones included: every process meets for the same models, in the order they first stepped."""
+        agreed, dropped ones that some process still holds included: every process meets for the same models, in the
+        order they went apart."""
         with self._guard():
+            self._forget_dropped()
             for key, replicas in list(self._apart.items()):
                 if replicas.apart:
                     replicas.sync()
@@ -313,6 +332,8 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
                 )
         if own:
             super().restore(restored["path"], **own)
+        for replicas in models.values():
+            replicas.noted()  # a restored period is apart
         return restored
 
     def __repr__(self) -> str:
