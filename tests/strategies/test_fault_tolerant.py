@@ -226,7 +226,7 @@ def test_groups_that_restored_different_checkpoints_are_told_apart_at_their_next
 
     def resumed(batches):
         history = History()
-        history.advance(1)  # the start-up sync
+        history.advance(1)  # a first step
         if batches is not None:
             history.resume(batches)
         return history
@@ -240,6 +240,20 @@ def test_groups_that_restored_different_checkpoints_are_told_apart_at_their_next
     assert in_other_processes == {f"{resumed(8).value}\n"}  # the groups are processes of their own, each with its own hash seed
     assert diverged(resumed(8), resumed(None), resumed(4)) == [1, 2]
     assert diverged(resumed(None), resumed(8)) == [1]
+
+
+def test_a_group_whose_restored_epoch_is_ahead_of_the_groups_it_healed_from_stops_in_one_line():
+    """It restored a later checkpoint than the live groups' and, slower to start, healed from them: its loader's
+    epoch would take the wrong samples for the job's batch."""
+    from loom.errors import LaunchError
+    from loom.strategies.data_parallel.fault_tolerant_data import GroupLoader
+
+    strategy = SimpleNamespace(group=1, groups=2, group_size=1, device=torch.device("cpu"), _next_batch=lambda end: 5, _process_slice=lambda: (0, 4))
+    loader = GroupLoader(strategy, torch.utils.data.TensorDataset(torch.arange(32.0)), batch_size=8)
+    loader.epoch = 2  # its checkpoint's; the live groups are at batch 5, in epoch 1
+    with pytest.raises(LaunchError, match=r"^group 1 restored the data at epoch 2, but the groups it healed from are at global batch 5 \(epoch 1\): "
+                                          r"every group must restore the same checkpoint$"):
+        next(iter(loader))
 
 
 def test_a_batch_without_its_optimizer_step_is_refused_before_the_next():

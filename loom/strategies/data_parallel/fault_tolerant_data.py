@@ -21,6 +21,7 @@ from torch.utils.data.dataloader import default_collate
 
 from loom.data.loader import to_device
 from loom.data.sharding import check_global_batch, epoch_order
+from loom.errors import LaunchError
 
 if TYPE_CHECKING:
     from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy
@@ -130,6 +131,11 @@ class GroupLoader:
             batch = self.strategy._next_batch(end=first + len(self))
             if batch is None:
                 return
+            if batch < first:  # this group restored a later epoch than the live groups it healed from
+                raise LaunchError(
+                    f"group {self.strategy.group} restored the data at epoch {self.epoch}, but the groups it healed from are at "
+                    f"global batch {batch} (epoch {batch // len(self)}): every group must restore the same checkpoint"
+                )
             start, stop = self.strategy._process_slice()
             members = order[(batch - first) * self.global_batch :][start:stop].tolist()
             yield to_device(self.collate_fn([self.dataset[i] for i in members]), self.strategy.device)
