@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import io
+import itertools
 import os
 import pickle
 import socket
@@ -32,10 +33,28 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 LOOM = [sys.executable, "-m", "loom.launch.cli"]
 
 
+_PORT_SPAN = 2000  # ports of each xdist worker's own, below the kernel's ephemeral range (32768 on)
+_next_port = itertools.count()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a job the test starts next.
+
+    Not one the kernel picked (``bind(0)``): it hands the same range to outgoing connections, and another
+    test's client could hold the port by the time the job binds it. Each test process takes its ports in
+    turn from a span of its own (``PYTEST_XDIST_WORKER``), below that range.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    base = 12000 + (int(worker) if worker.isdigit() else 0) % 10 * _PORT_SPAN
+    for _ in range(_PORT_SPAN):
+        port = base + next(_next_port) % _PORT_SPAN
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use, or just released by a job
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + _PORT_SPAN - 1}")
 
 
 _FORKER = Forker()  # this test process's zygote: what a test starts does not import torch again
