@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from collections.abc import Mapping
 from typing import Any, ContextManager
 
 import torch.distributed as dist
@@ -30,7 +29,7 @@ from loom.compat import elastic_agent
 from loom.comm import collective_log
 from loom.comm.health import FAULT_DUMP_ENV, PREFIX
 from loom.errors import LaunchError
-from loom.launch.failures import STOPPED, killed_after_sigterm, report
+from loom.launch.failures import STOPPED, report
 
 WAIT_REPORT_ENV = "LOOM_RENDEZVOUS_REPORT"
 DEFAULT_WAIT_REPORT = 30.0
@@ -109,57 +108,15 @@ class RendezvousWatch:
             self._reported = True
 
 
-class HangStops:
-    """Workers the others named hung are killed at once when torch's agent stops the job.
-
-    Its SIGTERM would wait 30 s in vain for a stopped process, or for one stuck in C while
-    loom's SIGTERM handler waits for its step to end. The others write the name in the job's
-    store before they exit; ``signal_for`` reads it as the agent closes each worker."""
-
-    def __init__(self) -> None:
-        self.killed: dict[int, str] = {}  # rank -> how the others found it, this attempt
-        self._store: dist.TCPStore | None = None
-        self._store_lost = False
-
-    def signal_for(self, env: Mapping[str, str], death_sig: signal.Signals) -> signal.Signals:
-        """The signal to stop the worker started with ``env``: SIGKILL in place of SIGTERM where it was named hung."""
-        if death_sig != signal.SIGTERM or self._store_lost or "MASTER_PORT" not in env:
-            return death_sig
-        key = f"{PREFIX}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/hung/{env['RANK']}"
-        try:
-            store = self._store_at(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
-            if not store.check([key]):
-                return death_sig
-            self.killed[int(env["RANK"])] = store.get(key).decode()
-        except (OSError, RuntimeError, ValueError, dist.DistError):
-            self._store_lost = True  # its node is gone: SIGTERM as torch's agent would, for every worker
-            return death_sig
-        return signal.SIGKILL
-
-    def _store_at(self, host: str, port: int) -> dist.TCPStore:
-        """One client for the workers of an attempt; a plain probe first, as a failed connect of TCPStore's
-        prints a C++ stack and takes seconds."""
-        if self._store is None:
-            socket.create_connection((host, port), timeout=1).close()
-            self._store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=2))
-        return self._store
-
-    def new_attempt(self) -> None:
-        """Workers start (again): what was killed, and the store's client, were the last attempt's."""
-        self.killed.clear()
-        self._store, self._store_lost = None, False
-
-
 class ReportingAgent(LocalElasticAgent):
     """``LocalElasticAgent`` that reports a pending rendezvous and announces each restart."""
 
-    def __init__(self, *args: Any, node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str], stops: HangStops, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._node = node
         self._world_size = world_size
         self._wait_report = wait_report
         self._hung = hung
-        self._stops = stops
         self._last_result: RunResult | None = None
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
@@ -168,10 +125,6 @@ class ReportingAgent(LocalElasticAgent):
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         with RendezvousWatch(self._node, attempt, self._wait_report):
             super()._rendezvous(worker_group)
-
-    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-        self._stops.new_attempt()
-        super()._initialize_workers(worker_group)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         self._last_result = super()._monitor_workers(worker_group)
@@ -185,20 +138,16 @@ class ReportingAgent(LocalElasticAgent):
         read it (``HealthMonitor``), rather than wait for a silence. Not those this agent stopped.
         And read which of them the others named hung: this agent's kill of those is loom's, for the hang."""
         namespace = f"{PREFIX}/{worker_group.spec.max_restarts - self._remaining_restarts}"  # the workers' TORCHELASTIC_RESTART_COUNT
-        first = min(f.timestamp for f in result.failures.values())
-        self._hung.update((rank, how) for rank, how in self._stops.killed.items() if rank in result.failures and result.failures[rank].exitcode == -signal.SIGKILL)
         try:
             store = dist.TCPStore(
                 worker_group.master_addr, worker_group.master_port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=5)
             )
             for rank, failure in result.failures.items():
-                if rank in self._hung:
-                    continue
                 if failure.exitcode not in STOPPED:
                     how = f"killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
                     store.set(f"{namespace}/died/{rank}", how)
-                if killed_after_sigterm(failure, first) and store.check([f"{namespace}/hung/{rank}"]):
-                    self._hung[rank] = store.get(f"{namespace}/hung/{rank}").decode()  # torch's agent killed it, its SIGTERM unanswered
+                if failure.exitcode == -signal.SIGKILL and store.check([f"{namespace}/hung/{rank}"]):
+                    self._hung[rank] = store.get(f"{namespace}/hung/{rank}").decode()
         except (OSError, RuntimeError, dist.DistError):
             pass  # the store's node is gone too: the others see that themselves
 
@@ -211,10 +160,9 @@ class ReportingAgent(LocalElasticAgent):
         super()._restart_workers(worker_group)
 
 
-def reporting_agent(node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str], stops: HangStops) -> ContextManager[None]:
+def reporting_agent(node: NodeSpec, world_size: int, wait_report: float, hung: dict[int, str]) -> ContextManager[None]:
     """Have torchrun, called in this block, run its workers under a ``ReportingAgent``; it fills ``hung``
-    with the workers of the last attempt it killed after the others named them hung, and how
-    (``stops``: the workers' handlers' record of those it killed at once)."""
+    with the workers of the last attempt it had to kill after the others named them hung, and how."""
 
     collective_log.arm_workers()  # before any worker's process group exists, whatever its backend
     if FAULT_DUMP_ENV not in os.environ:  # a worker ended by a signal leaves its stacks there, for ``failures``
@@ -222,6 +170,6 @@ def reporting_agent(node: NodeSpec, world_size: int, wait_report: float, hung: d
         atexit.register(shutil.rmtree, os.environ[FAULT_DUMP_ENV], ignore_errors=True)
 
     def build(**kwargs: Any) -> ReportingAgent:
-        return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, hung=hung, stops=stops, **kwargs)
+        return ReportingAgent(node=node, world_size=world_size, wait_report=wait_report, hung=hung, **kwargs)
 
     return elastic_agent(build)

@@ -6,8 +6,7 @@ print one traceback, not four. Ranks that exited because another one failed
 (``RankFailureError.EXIT_CODE``, or the agent's SIGTERM) are not causes, even when they
 exited first (a stuck rank is the last to go), nor is a rank killed by SIGKILL once the agent's
 SIGTERM has waited for it in vain, unless the others named it hung: then it is the cause, and
-the agent's kill is said to be loom's, for the hang. (loom's agent kills a rank named hung at
-once, rather than wait for torch's agent.)
+the agent's kill is said to be loom's, for the hang.
 """
 
 from __future__ import annotations
@@ -31,14 +30,10 @@ STOPPED = {RankFailureError.EXIT_CODE, -signal.SIGTERM, 128 + signal.SIGTERM}
 _SIGKILL_AFTER = 30 - 1
 
 
-def killed_after_sigterm(failure: ProcessFailure, first_failure: int) -> bool:
-    """Whether torch's agent killed the rank after its SIGTERM waited in vain (``first_failure``: when the first rank failed)."""
-    return failure.exitcode == -signal.SIGKILL and failure.timestamp - first_failure >= _SIGKILL_AFTER
-
-
 def _stopped(failure: ProcessFailure, first_failure: int) -> bool:
-    """Whether the rank ended the way a rank the agent stops does."""
-    return failure.exitcode in STOPPED or killed_after_sigterm(failure, first_failure)
+    """Whether the rank ended the way a rank the agent stops does (``first_failure``: when the first rank failed)."""
+    late = failure.timestamp - first_failure >= _SIGKILL_AFTER
+    return failure.exitcode in STOPPED or (failure.exitcode == -signal.SIGKILL and late)
 
 
 def exception_of(failure: ProcessFailure) -> tuple[str, str] | None:
@@ -93,11 +88,11 @@ def cause(failures: Mapping[int, ProcessFailure], world_size: int, hung: Mapping
 
     ``all 4 ranks failed: TypeError: ...`` when every rank of the job failed alike;
     otherwise each way of failing is named with its ranks, and the ranks that stopped
-    because of them are listed last. ``hung``: ranks the agent killed because the others named
-    them hung, with how (``stopped responding (no heartbeat for 30s)``); each is a cause.
+    because of them are listed last. ``hung``: ranks the others named hung, with how
+    (``stopped responding (no heartbeat for 30s)``); one the agent had to kill is the cause.
     """
     first = min(f.timestamp for f in failures.values())
-    killed = {r: how for r, how in (hung or {}).items() if r in failures and failures[r].exitcode == -signal.SIGKILL}
+    killed = {r: how for r, how in (hung or {}).items() if r in failures and failures[r].exitcode == -signal.SIGKILL and _stopped(failures[r], first)}
     causes = {r: f for r, f in failures.items() if exception_of(f) is not None or not _stopped(f, first) or r in killed}
     causes = causes or dict(failures)
     groups: dict[str, list[int]] = {}

@@ -28,7 +28,7 @@ from loom.comm.process_group import TIMEOUT_ENV, resolve_timeout
 from loom.devices import HOST_PROCESSES_ENV, THREADS_ENV, check_nproc, cuda_count, default_nproc, default_nproc_reason, thread_budget
 from loom.errors import LaunchError
 from loom.fast import allocator
-from loom.launch.agent import HangStops, reporting_agent, wait_report_interval
+from loom.launch.agent import reporting_agent, wait_report_interval
 from loom.launch.zygote import WORKER, forked_workers
 from loom.launch.failures import report
 from loom.strategies.base import LAYOUT_ENV
@@ -237,11 +237,10 @@ def run_job(entry: list[str], opts: LaunchOptions, layout: str | None = None) ->
         os.environ[LAYOUT_ENV] = layout
     node = opts.node()
     world_size = node.nnodes * opts.processes()
-    hung: dict[int, str] = {}  # ranks the agent killed after the others named them hung
-    stops = HangStops()
+    hung: dict[int, str] = {}  # ranks the agent had to kill after the others named them hung
     try:
         # The zygote first: where it is forked from this process, it carries nothing the agent sets up here.
-        with forked_workers(cpu=not cuda_count(), stop_signal=stops.signal_for), reporting_agent(node, world_size, wait_report, hung, stops):
+        with forked_workers(cpu=not cuda_count()), reporting_agent(node, world_size, wait_report, hung):
             # torchrun's own logging repeats what loom.launch.failures says in one line.
             logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
             run_torchrun(argv)

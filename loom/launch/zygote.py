@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, Iterator
 
 from loom.comm.ring import pid_alive
 from loom.launch.parent import die_with_parent
@@ -321,12 +321,11 @@ class Forker:
 
 
 @contextmanager
-def forked_workers(cpu: bool, stop_signal: Callable[[dict[str, str], signal.Signals], signal.Signals] | None = None) -> Iterator[None]:
+def forked_workers(cpu: bool) -> Iterator[None]:
     """torch's agent, run in this block, starts its workers from a zygote when it can (see the module).
 
     On CPU only: a process that forks after initialising the CUDA driver leaves its children
-    without it, and there the start-up is a small part of a job's time. ``stop_signal(env, signal)``:
-    the signal that stops the worker started with ``env`` when the agent stops it with ``signal``.
+    without it, and there the start-up is a small part of a job's time.
     """
     from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 
@@ -338,7 +337,6 @@ def forked_workers(cpu: bool, stop_signal: Callable[[dict[str, str], signal.Sign
 
     class Handler(SubprocessHandler):
         def _popen(self, args: tuple, env: dict[str, str]) -> Any:
-            self._env = env
             if cpu and tuple(args[:4]) == (sys.executable, "-u", "-m", WORKER):
                 worker = forker.fork(list(args[4:]), env, self._stdout, self._stderr, new_session=True)
                 if worker is not None:
@@ -346,8 +344,6 @@ def forked_workers(cpu: bool, stop_signal: Callable[[dict[str, str], signal.Sign
             return super()._popen(args, env)
 
         def close(self, death_sig: signal.Signals | None = None) -> None:
-            if stop_signal is not None and death_sig is not None:
-                death_sig = stop_signal(self._env, death_sig)
             try:
                 super().close(death_sig)
             except ProcessLookupError:  # the zygote reaped it and its group is empty: a Popen child would still be a zombie
