@@ -31,6 +31,7 @@ quorum, against MultiWorkerMirrored's), and the recovery after a kill -9 of grou
     python bench/live_recovery.py --chaos 5
     python bench/live_recovery.py --hosts [--rounds 2] [--steps 30]
     python bench/live_recovery.py --lighthouse-loss 5 -1
+    python bench/live_recovery.py --diloco 8 [--rounds 3] [--steps 40]
 
 Lighthouse loss (``--lighthouse-loss DOWN ...``): ``loom lighthouse`` in a process of its own, a launcher per
 group (2 x 1 process, W1, ``--max-restarts 1``, LOOM_TIMEOUT=20); once group 0 has committed a few steps the
@@ -38,8 +39,12 @@ lighthouse is killed with SIGKILL and started again at its address DOWN seconds 
 never). The gap in group 0's commits and the launchers' lines (a group whose quorum request waited past the
 timeout restarts, rejoins and heals), or, never restarted, how long the groups wait and the line they stop with.
 
+DiLoCo across groups (``--diloco H``): the same W1 job under FaultTolerantDiLoCoStrategy(sync_every=H), 2 groups x
+1 process, against FT-DDP and Mirrored on the same two processes, interleaved; the mean step time, a round's
+meeting (its quorum, the sum of the pseudo-gradients and the commit vote) spread over its H steps.
+
 Writes bench/results/live_recovery.json and .png (chaos: live_recovery_chaos.json and .png; hosts:
-live_recovery_hosts.json and .png; lighthouse loss: live_recovery_lighthouse.json). Run as a job's script (by the above), it trains.
+live_recovery_hosts.json and .png; lighthouse loss: live_recovery_lighthouse.json; DiLoCo: live_recovery_diloco.json). Run as a job's script (by the above), it trains.
 """
 
 from __future__ import annotations
@@ -78,7 +83,8 @@ def train(out: Path, steps: int) -> None:
     from workloads import WORKLOADS
 
     w1 = WORKLOADS["W1"]
-    strategy = loom.auto_strategy()
+    every = os.environ.get("BENCH_DILOCO")
+    strategy = loom.FaultTolerantDiLoCoStrategy(sync_every=int(every)) if every else loom.auto_strategy()
     group = getattr(strategy, "group", 0)
     record = strategy.cluster.rank == 0
     torch.manual_seed(0)
@@ -168,9 +174,7 @@ def _lines(path: Path) -> list[dict]:
 
 
 def median_step(out: Path, warmup: int = 3) -> float:
-    times = [s["t"] for s in _lines(out / "steps-0.jsonl") if "t" in s]
-    gaps = [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
-    return statistics.median(gaps)
+    return statistics.median(_gaps(out, warmup))
 
 
 def overhead(rounds: int, steps: int, nproc: int) -> dict:
@@ -183,6 +187,29 @@ def overhead(rounds: int, steps: int, nproc: int) -> dict:
             seconds[name].append(median_step(out))
     mirrored, groups = (statistics.median(v) for v in seconds.values())
     return {"median_step_s": seconds, "overhead": groups / mirrored - 1}
+
+
+def diloco_cost(rounds: int, steps: int, every: int) -> dict:
+    """FaultTolerantDiLoCo (2 groups x 1 process, rounds of ``every`` batches) against FT-DDP and Mirrored on the same
+    two processes, interleaved: the median step time of each, and DiLoCo's over Mirrored's (its rounds' meetings included)."""
+    kinds = {
+        "MirroredStrategy (--nproc 2)": (["--nproc", "2"], {}),
+        "FaultTolerantMirrored (--groups 2 --nproc 1)": (["--groups", "2", "--nproc", "1"], {}),
+        f"FaultTolerantDiLoCo (--groups 2 --nproc 1, sync_every={every})": (["--groups", "2", "--nproc", "1"], {"BENCH_DILOCO": str(every)}),
+    }
+    seconds: dict[str, list[float]] = {name: [] for name in kinds}
+    for _ in range(rounds):
+        for name, (flags, env) in kinds.items():
+            out = Path(tempfile.mkdtemp(prefix="live-recovery-"))
+            _finish(_job(out, steps, *flags, env=env))
+            seconds[name].append(statistics.mean(_gaps(out)))  # the mean: a round's meeting is one step in `every`
+    mirrored, ddp, diloco = (statistics.median(v) for v in seconds.values())
+    return {"mean_step_s": seconds, "ft_ddp_over_mirrored": ddp / mirrored - 1, "diloco_over_mirrored": diloco / mirrored - 1}
+
+
+def _gaps(out: Path, warmup: int = 3) -> list[float]:
+    times = [s["t"] for s in _lines(out / "steps-0.jsonl") if "t" in s]
+    return [b - a for a, b in zip(times[warmup:], times[warmup + 1 :])]
 
 
 def median_fetch(out: Path, warmup: int = 3) -> float:
@@ -478,6 +505,7 @@ def main() -> None:
     parser.add_argument("--hosts", action="store_true", help=f"instead: each group on a network-namespace host of its own, links at {RATE} (needs root)")
     parser.add_argument("--lighthouse-loss", type=float, nargs="+", metavar="DOWN",
                         help="instead: kill -9 the lighthouse mid-job and start it again after DOWN seconds (a negative DOWN: never)")
+    parser.add_argument("--diloco", type=int, metavar="H", help="instead: FaultTolerantDiLoCo(sync_every=H)'s step cost against FT-DDP and Mirrored")
     parser.add_argument("--train", help=argparse.SUPPRESS)
     parser.add_argument("--train-chaos", help=argparse.SUPPRESS)
     parser.add_argument("--k", type=int, help=argparse.SUPPRESS)
@@ -497,6 +525,12 @@ def main() -> None:
         summary = {k: v for k, v in results["chaos"].items() if k not in ("failure_free", "chaos")}
         print(json.dumps(summary | {"samples": results["chaos"]["chaos"]["samples"]}, indent=2))
         print(f"wrote {path} and {RESULTS / 'live_recovery_chaos.png'}")
+        return None
+    if args.diloco:
+        results["diloco"] = diloco_cost(args.rounds, args.steps, args.diloco)
+        path = save("live_recovery_diloco", results)
+        print(json.dumps(results["diloco"], indent=2))
+        print(f"wrote {path}")
         return None
     if args.lighthouse_loss:
         results["lighthouse_loss"] = [lighthouse_loss(KILL_AFTER + 40, None if down < 0 else down) for down in args.lighthouse_loss]

@@ -7,6 +7,7 @@ from loom import strategies
 from loom.launch import launch
 from loom.strategies import (
     DiLoCoStrategy,
+    FaultTolerantDiLoCoStrategy,
     FaultTolerantMirroredStrategy,
     LocalSGDStrategy,
     Mesh,
@@ -33,6 +34,7 @@ __all__ = [
     "ClusterSpec",
     "DiLoCoStrategy",
     "EarlyStopping",
+    "FaultTolerantDiLoCoStrategy",
     "FaultTolerantMirroredStrategy",
     "FaultTolerantShardedStrategy",
     "HybridStrategy",

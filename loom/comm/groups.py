@@ -70,6 +70,7 @@ def refuse_alone_in_groups(strategy: str, trains_across_groups: bool) -> None:
     if in_groups() and not trains_across_groups:
         raise LaunchError(
             f"under `loom run --groups` each group would train alone with {strategy}: use loom.auto_strategy() "
-            "(FaultTolerantMirroredStrategy, Mirrored within a group) or FaultTolerantShardedStrategy (Sharded within a group); "
+            "(FaultTolerantMirroredStrategy, Mirrored within a group), FaultTolerantShardedStrategy (Sharded within a group) "
+            "or FaultTolerantDiLoCoStrategy (DiLoCo across groups); "
             "pipeline, tensor-parallel, parameter-server and other meshes are not replicated across groups"
         )

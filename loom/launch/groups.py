@@ -249,6 +249,8 @@ class MembershipLines:
             if event["batch"] in self.refused:
                 return []
             self.refused.add(event["batch"])
+            if event.get("last", event["batch"]) > event["batch"]:  # a DiLoCo round
+                return [f"batches {event['batch']}-{event['last']} not applied: a group failed during their round; the groups alive train them again"]
             return [f"batch {event['batch']} not applied: a group failed during its step; the groups alive train it again"]
         if kind != "commit":
             return []

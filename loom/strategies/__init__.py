@@ -10,6 +10,7 @@ from loom.cluster import TorchrunEnvironment
 from loom.comm.groups import in_groups
 from loom.strategies.base import Strategy, unwrap
 from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy
+from loom.strategies.data_parallel.fault_tolerant_diloco import FaultTolerantDiLoCoStrategy
 from loom.strategies.data_parallel.local_sgd import DiLoCoStrategy, LocalSGDStrategy
 from loom.strategies.model_parallel.mesh import Mesh
 from loom.strategies.data_parallel.mirrored import MirroredStrategy, MultiWorkerMirroredStrategy
@@ -60,6 +61,7 @@ STRATEGIES: dict[str, type[Strategy] | str] = {  # a class, or the name of one l
     "diloco": DiLoCoStrategy,
     "fault_tolerant": FaultTolerantMirroredStrategy,
     "fault_tolerant_sharded": "FaultTolerantShardedStrategy",
+    "fault_tolerant_diloco": FaultTolerantDiLoCoStrategy,
 }
 
 
@@ -93,6 +95,7 @@ __all__ = [
     "STRATEGIES",
     "ClusterCoordinator",
     "DiLoCoStrategy",
+    "FaultTolerantDiLoCoStrategy",
     "FaultTolerantMirroredStrategy",
     "FaultTolerantShardedStrategy",
     "HybridStrategy",

@@ -1,6 +1,7 @@
 """A replica group's training script for the --groups tests: Adam on 96 numbered samples, 2 epochs of 8 global batches,
 through ``train_step`` with a StepLR schedule (chainable: each learning rate is computed from the last) and a
-gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy.
+gradient norm clipped to MAX_NORM (about half of the steps clip). ``STRATEGY=sharded``: FaultTolerantShardedStrategy;
+``STRATEGY=diloco``: FaultTolerantDiLoCoStrategy(sync_every=SYNC_EVERY), rounds of 3 batches by default.
 ``ACCUMULATE=k``: ``train_step(accumulate=k)``, k micro-batches to a step.
 
 ``SAVE_EVERY=k``: after every k-th batch the groups save (OUT/checkpoints/step-<batches>); with ``DIE_IN=save``, group G
@@ -13,7 +14,8 @@ of ``DIE_AT`` dies in the save after batch B instead, its files written and not 
 ``CHECK_REFUSALS=1``: first try what the strategy refuses and save the lines as OUT/refusals-<group>-<rank>.json
 (and, at the end, a step after ``leave()`` as OUT/left-<group>-<rank>.json).
 
-``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids)
+``ft_train.py OUT``: every process appends each committed step (its batch, groups and sample ids; under DiLoCo, the
+steps of each applied round, once it applied)
 to OUT/steps.jsonl and saves its final weights as OUT/final-<group>-<rank>.pt. ``DIE_AT=G:B``:
 group G's first life stops before the sync of batch B and waits to be killed (OUT/dying holds
 its pid); its next life joins only once the other group committed batch B without it (else a quick
@@ -80,6 +82,14 @@ def scheduler(opt):
 
 def schedule_state(opt, sched) -> dict:
     return {"lr": [group["lr"] for group in opt.param_groups], "last_epoch": sched.last_epoch}
+
+
+def make_strategy(name: str | None) -> loom.Strategy:
+    if name == "sharded":
+        return loom.FaultTolerantShardedStrategy()
+    if name == "diloco":
+        return loom.FaultTolerantDiLoCoStrategy(sync_every=int(os.environ.get("SYNC_EVERY", 3)))
+    return loom.auto_strategy()
 
 
 def _events(group: int) -> list[dict]:
@@ -164,9 +174,9 @@ def main(out: Path) -> None:
     in_save, save_every = os.environ.get("DIE_IN") == "save", int(os.environ.get("SAVE_EVERY", 0))
     pause_at = int(os.environ.get("PAUSE_AT", -1))
     if restart and int(os.environ["REPLICA_GROUP_ID"]) == die_group:  # rejoin once the others trained on without it
-        while not any(e["event"] == "commit" and e["batch"] == die_batch + in_save for e in _events(1 - die_group)):
+        while not any(e["event"] == "commit" and e.get("first", e["batch"]) <= die_batch + in_save <= e["batch"] for e in _events(1 - die_group)):
             time.sleep(0.05)
-    strategy = loom.FaultTolerantShardedStrategy() if os.environ.get("STRATEGY") == "sharded" else loom.auto_strategy()
+    strategy = make_strategy(os.environ.get("STRATEGY"))
     group, rank = strategy.group, strategy.cluster.rank
     if os.environ.get("CHECK_REFUSALS"):
         refusals = [_refusal(lambda: strategy.prepare(make_model(0)))]
@@ -180,6 +190,7 @@ def main(out: Path) -> None:
     loader = strategy.distribute(Numbered(), batch_size=BATCH, shuffle=True)
     if os.environ.get("RESUME_FROM"):
         strategy.restore(os.environ["RESUME_FROM"], model=model, optimizer=opt, scheduler=sched, loader=loader)
+    pending = []  # steps trained whose round has not met yet
     with open(out / "steps.jsonl", "a") as log:
         for _ in range(EPOCHS):
             for x, y, ids in loader:
@@ -191,11 +202,13 @@ def main(out: Path) -> None:
                     while True:  # killed here, mid-step: after its forward pass would run, before the sync
                         time.sleep(0.05)
                 step(x, y)
-                if strategy.committed:
-                    log.write(json.dumps({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
-                                          "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync,
-                                          "norm": float(step.grad_norm)}) + "\n")
+                pending.append({"g": group, "rank": rank, "pid": os.getpid(), "restart": restart, "batch": m.batch,
+                                "groups": m.groups, "ids": ids.tolist(), "replicas": strategy.num_replicas_in_sync,
+                                "norm": float(step.grad_norm)})  # fmt: skip
+                if strategy.committed is not None:  # the step (a DiLoCo round) applied, or not
+                    log.writelines(json.dumps(s) + "\n" for s in pending if strategy.committed)
                     log.flush()
+                    pending = []
                 if m.batch == pause_at and strategy.committed:  # until the test says go (it kills the lighthouse meanwhile)
                     (out / f"paused-{group}-{rank}").write_text("")
                     while not (out / "go").exists():

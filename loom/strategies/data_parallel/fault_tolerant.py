@@ -207,33 +207,41 @@ class _AcrossGroups:
         module, inner = unwrap(wrapped), opt.optimizer
         self._optimizer = inner
         self._buckets = _buckets([p for p in module.parameters() if p.requires_grad])
-        if self.group_size == 1 and not self.shards_gradients:  # with N processes a gradient is final only after DDP's own all-reduce
+        if self.group_size == 1 and not self.shards_gradients and self.sums_every_step:  # with N processes a gradient is final only after DDP's own all-reduce
             self._early = EarlySums(self._buckets, self._flatten, lambda flat: self._manager.allreduce(flat, reduce_op=ReduceOp.SUM))
             for bucket in self._buckets:
                 for p in bucket:
                     p.register_post_accumulate_grad_hook(self._grad_ready)
 
-        def state() -> dict[str, Any]:
-            schedulers = [s.state_dict() for s in self._schedulers]
-            model = {key: self._local(value) for key, value in module.state_dict().items()}  # process r's parts heal process r
-            optimizer = self._local_optimizer_state(inner)
-            return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.state(), "clip": self._clip,
-                    "resumed": self._resumed}
-
-        def load(saved: dict[str, Any]) -> None:
-            with torch.no_grad():
-                for key, value in module.state_dict().items():
-                    self._local(value).copy_(saved["model"][key])
-            inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
-            self._healed_schedulers = saved["schedulers"]
-            self._clip = saved["clip"]
-            self._resumed = saved["resumed"]
-            dropped = self._history.take(saved["history"])  # a heal whose step fails is taken again: the first one's finding stands
-            self._dropped = dropped if self._dropped == 0 else self._dropped
-
-        self._manager.register_state_dict_fn("loom", load, state)
+        self._manager.register_state_dict_fn("loom", lambda saved: self._load_heal(module, inner, saved), lambda: self._heal_state(module, inner))
+        self._before_start(module)
         self._start(module)
-        return wrapped, _CommittingOptimizer(inner, self.precision, self._may_step, self._sync_and_commit)
+        return wrapped, self._stepping_optimizer(inner)
+
+    def _heal_state(self, module: nn.Module, inner: torch.optim.Optimizer) -> dict[str, Any]:
+        """What a group healing from this one takes (torchft's transport serves it from the quorum to the step's commit vote)."""
+        schedulers = [s.state_dict() for s in self._schedulers]
+        model = {key: self._local(value) for key, value in module.state_dict().items()}  # process r's parts heal process r
+        optimizer = self._local_optimizer_state(inner)
+        return {"model": model, "optimizer": optimizer, "schedulers": schedulers, "history": self._history.state(), "clip": self._clip,
+                "resumed": self._resumed}
+
+    def _load_heal(self, module: nn.Module, inner: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for key, value in module.state_dict().items():
+                self._local(value).copy_(saved["model"][key])
+        inner.load_state_dict(self._whole_optimizer_state(inner, saved["optimizer"]))
+        self._healed_schedulers = saved["schedulers"]
+        self._clip = saved["clip"]
+        self._resumed = saved["resumed"]
+        dropped = self._history.take(saved["history"])  # a heal whose step fails is taken again: the first one's finding stands
+        self._dropped = dropped if self._dropped == 0 else self._dropped
+
+    def _before_start(self, module: nn.Module) -> None:
+        """What a strategy across groups sets up before the job's first step (or this group's heal)."""
+
+    def _stepping_optimizer(self, inner: torch.optim.Optimizer) -> StrategyOptimizer:
+        return _CommittingOptimizer(inner, self.precision, self._may_step, self._sync_and_commit)
 
     def _start(self, module: nn.Module) -> None:
         """The job's first step is a sync: every group takes group 0's weights. A group joining later heals instead.
@@ -336,18 +344,22 @@ class _AcrossGroups:
             if ft_healing(self._manager):
                 self._ghost_step(started)
                 continue
-            rank, count = self._manager.participating_rank(), self._manager.num_participants()
-            members = self._quorum_groups()
-            quorum_id = ft_quorum_id(self._manager)
-            start, stop = group_slice(self._global_batch, self.group_size, rank, count)
-            if self.membership is None or self.membership.quorum_id != quorum_id:
-                self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
-            self.membership = Membership(batch, members, count, rank, quorum_id, start, stop)
-            self._keeps_live_state = False
-            self._in_step = True
+            self._take_part(batch, started)
             if self._early is not None:
                 self._early.begin(self.membership.samples / self._global_batch)
             return batch
+
+    def _take_part(self, batch: int, started: float) -> None:
+        """This group trains batch ``batch`` in the quorum just taken: its share of it, in ``membership``."""
+        rank, count = self._manager.participating_rank(), self._manager.num_participants()
+        members = self._quorum_groups()
+        quorum_id = ft_quorum_id(self._manager)
+        start, stop = group_slice(self._global_batch, self.group_size, rank, count)
+        if self.membership is None or self.membership.quorum_id != quorum_id:
+            self._events.write("quorum", batch=batch, groups=list(members), waited=time.time() - started)
+        self.membership = Membership(batch, members, count, rank, quorum_id, start, stop)
+        self._keeps_live_state = False
+        self._in_step = True
 
     def _process_slice(self) -> tuple[int, int]:
         """Samples of the global batch that this process trains: its part of the group's slice."""
@@ -361,7 +373,7 @@ class _AcrossGroups:
         The norm goes with a heal: the healing group applies the step's update as the live one does, clipping included.
         """
         self._clip = (max_norm, norm_type)
-        if self._in_step and self.sync_gradients:
+        if self._in_step and self.sync_gradients and self.sums_every_step:
             self._sync()
         return super().clip_gradients(optimizer, max_norm, norm_type)  # type: ignore[misc]
 
@@ -392,10 +404,19 @@ class _AcrossGroups:
             flats = [flat for flat, _ in sent]
             for work in [work for _, work in sent] + [self._manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in (history, present)]:
                 work.wait()
+        committed = self.committed = self._vote(history)
+        if committed:
+            self._history.advance(self.membership.quorum_id)
+            self._apply_sums(flats, present)
+        self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
+
+    def _vote(self, history: torch.Tensor) -> bool:
+        """torchft's commit vote on the step whose sums (``history``'s slots among them) have arrived: refused where a
+        split quorum's branches met (all but the lowest group's branch then stop here)."""
         diverged = History.diverged(history)
         if diverged:  # a split quorum's branches met: nobody applies this step, and the other branch leaves
             self._manager.report_error(RuntimeError(f"group(s) {diverged} trained another branch of the job"))
-        committed = self.committed = self._manager.should_commit()
+        committed = self._manager.should_commit()
         if self.group in diverged:
             self._events.write("diverged", batch=self.membership.batch, groups=list(self.membership.groups))
             raise LaunchError(
@@ -403,10 +424,7 @@ class _AcrossGroups:
                 "a group's heartbeat lapsed while both were at one step; or the groups restored different checkpoints, or one none: "
                 "every group must restore the same one); it stops to be restarted and heal from it (--max-restarts)"
             )
-        if committed:
-            self._history.advance(self.membership.quorum_id)
-            self._apply_sums(flats, present)
-        self._events.write("commit" if committed else "refused", batch=self.membership.batch, groups=list(self.membership.groups))
+        return committed
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """A gradient that backward has finished: in train_step's last micro-batch its bucket may cross the
@@ -487,7 +505,7 @@ class _AcrossGroups:
 
     def _take_schedulers(self) -> None:
         """After a heal's step: take the live group's schedulers (as of before that step) and, if the step
-        applied, step them once, as the live group does.
+        applied, step them as the live group did (once; a DiLoCo round's inner steps).
 
         Their learning rates are set back to the live ones first: a scheduler built after the heal
         reset them, and a chainable one (StepLR) computes the next from them.
@@ -500,7 +518,7 @@ class _AcrossGroups:
             scheduler.load_state_dict(saved)
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
-            if self._heal_applied:
+            for _ in range(self._steps_healed if self._heal_applied else 0):
                 scheduler.step()
 
     # ---- data ---------------------------------------------------------------------------------
@@ -523,6 +541,8 @@ class _AcrossGroups:
     _global_batch = 1
     _left = False  # leave() was called: the Manager is shut down
     _resumed = 0  # global batches trained before this job's first step (a restored checkpoint's)
+    _steps_healed = 1  # optimizer steps that the live groups took in a heal's step (a DiLoCo round's inner steps)
+    sums_every_step = True  # the groups sum gradients at every step (DiLoCo's meet every sync_every steps instead)
     _keeps_live_state = False  # healed, and no batch trained since: a restore at the script's start loads nothing
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
     _synced = False  # clipping summed this step's gradients across the groups already

@@ -204,8 +204,7 @@ class LocalSGDStrategy(MultiWorkerMirroredStrategy):
         backend: str | None = None,
         sync_batchnorm: bool = False,
     ) -> None:
-        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
-            raise ValueError(f"{type(self).__name__}(sync_every=...) must be a positive number of optimizer steps, got {sync_every!r}")
+        check_sync_every(type(self).__name__, sync_every)
         if sync_batchnorm:
             raise ValueError(
                 f"{type(self).__name__} cannot take sync_batchnorm=True: it would all-reduce BatchNorm statistics in every "
@@ -366,19 +365,30 @@ class DiLoCoStrategy(LocalSGDStrategy):
         backend: str | None = None,
         sync_batchnorm: bool = False,
     ) -> None:
-        if not outer_lr > 0 or not 0 <= outer_momentum < 1:
-            raise ValueError(
-                f"DiLoCoStrategy needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr={outer_lr!r}, "
-                f"outer_momentum={outer_momentum!r}"
-            )
+        check_diloco_options("DiLoCoStrategy", sync_every, outer_lr, outer_momentum)
         if not isinstance(overlap_sync, bool):
             raise ValueError(f"DiLoCoStrategy(overlap_sync=...) must be True or False, got {overlap_sync!r}")
         super().__init__(sync_every, num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend, sync_batchnorm=sync_batchnorm)
         self.outer_lr, self.outer_momentum, self._overlap_sync = outer_lr, outer_momentum, overlap_sync
 
     def _outer_optimizer(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-        lr, momentum = self.outer_lr, self.outer_momentum
-        return lambda anchor: torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
+        return nesterov_outer(self.outer_lr, self.outer_momentum)
 
     def __repr__(self) -> str:
         return super().__repr__()[:-1] + (", overlap_sync=True)" if self._overlap_sync else ")")
+
+
+def check_sync_every(strategy: str, sync_every: Any) -> None:
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        raise ValueError(f"{strategy}(sync_every=...) must be a positive number of optimizer steps, got {sync_every!r}")
+
+
+def check_diloco_options(strategy: str, sync_every: Any, outer_lr: float, outer_momentum: float) -> None:
+    check_sync_every(strategy, sync_every)
+    if not outer_lr > 0 or not 0 <= outer_momentum < 1:
+        raise ValueError(f"{strategy} needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r}")
+
+
+def nesterov_outer(lr: float, momentum: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer on the anchor: SGD with Nesterov momentum."""
+    return lambda anchor: torch.optim.SGD(anchor, lr=lr, momentum=momentum, nesterov=momentum > 0)
