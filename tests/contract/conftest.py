@@ -24,15 +24,18 @@ if importlib.util.find_spec("torchax") is not None:  # the xla extra
     STRATEGIES.append("tpu")
 # Strategies run by one `loom run --nproc 2` job, one after another in the same two processes.
 ON_TWO_LOCAL_PROCESSES = ["mirrored", "sharded", "pipeline", "tensor_parallel", "hybrid", "local_sgd", "diloco", "diloco_overlap"]
-# Replica groups' strategies, run by one `loom run --groups 2 --nproc 1` job: two groups of one process.
+# Replica groups' strategies, run by `loom run --groups 2 --nproc 1` jobs: two groups of one process. DiLoCo's job
+# runs beside the others' (each case starts a new job of the groups, which waits out the last one's heartbeats).
 ON_TWO_GROUPS = ["fault_tolerant", "fault_tolerant_sharded"]
+ON_TWO_GROUPS_DILOCO = ["fault_tolerant_diloco"]
 if importlib.util.find_spec("torchft") is not None:  # the ft extra
-    STRATEGIES += ON_TWO_GROUPS
+    STRATEGIES += ON_TWO_GROUPS + ON_TWO_GROUPS_DILOCO
+JOBS = {"two_local_processes": ON_TWO_LOCAL_PROCESSES, "two_groups": ON_TWO_GROUPS, "two_groups_diloco": ON_TWO_GROUPS_DILOCO}
 
 
 def _job(strategy: str) -> str:
     """The launched job that runs ``strategy``'s cases."""
-    return "two_local_processes" if strategy in ON_TWO_LOCAL_PROCESSES else "two_groups" if strategy in ON_TWO_GROUPS else strategy
+    return next((job for job, names in JOBS.items() if strategy in names), strategy)
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
@@ -63,7 +66,7 @@ def _launched(root: Path, names: list[str]) -> dict[str, list[dict[str, Any]]]:
         for code, _, err in wait_all(start_nodes(2, 1, job), timeout=240):
             assert code == 0, err[-3000:]
     else:
-        processes = ["--groups", "2", "--nproc", "1"] if names == ON_TWO_GROUPS else ["--nproc", "2"]
+        processes = ["--groups", "2", "--nproc", "1"] if names[0].startswith("fault_tolerant") else ["--nproc", "2"]
         done = loom_run(["run", *processes, "--timeout", "60", *job], timeout=120 + 120 * len(names))
         assert done.returncode == 0, done.stderr[-3000:]
     return {name: [torch.load(root / name / f"results-{r}.pt", weights_only=True) for r in range(2)] for name in names}
@@ -147,7 +150,7 @@ def contract_results(reference_checkpoint: tuple[Path, dict[str, torch.Tensor]])
                 with pytest.MonkeyPatch.context() as patch:
                     cache[name] = _parameter_servers(directory(name), patch)
             else:
-                together = next((job for job in (ON_TWO_LOCAL_PROCESSES, ON_TWO_GROUPS) if name in job), [name])
+                together = JOBS.get(_job(name), [name])
                 for each in together:
                     directory(each)
                 cache.update(_launched(root, together))

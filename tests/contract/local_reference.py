@@ -30,10 +30,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "local_sgd": {"sync_every": SYNC_EVERY},
     "diloco": {"sync_every": SYNC_EVERY},
     "diloco_overlap": {"sync_every": 1, "overlap_sync": True},
+    "fault_tolerant_diloco": {"sync_every": SYNC_EVERY},
 }
 REGISTERED = {"diloco_overlap": "diloco"}  # the contract's name for a strategy with options -> the registry's name
 LOCAL = tuple(OPTIONS)
-OUTER = ("diloco", "diloco_overlap")
+OUTER = ("diloco", "diloco_overlap", "fault_tolerant_diloco")
+EPOCH_ROUNDS = ("fault_tolerant_diloco",)  # its rounds end at each epoch's end too: the cases' 3 steps end agreed
 SIMULATED = ("sgd_momentum", "adamw_weight_decay", "eager_loop", "bf16_mixed", "fp16_mixed", "accumulate_in_step",
              "accumulate_eager", "clipping", "step_lr")  # fmt: skip
 REPLICAS = 2
@@ -42,8 +44,8 @@ REPLICAS = 2
 class Meeting:
     """Where the two replica threads meet every ``every`` optimizer steps."""
 
-    def __init__(self, outer: bool, every: int = SYNC_EVERY, late: bool = False) -> None:
-        self.outer, self.every, self.late = outer, every, late
+    def __init__(self, outer: bool, every: int = SYNC_EVERY, late: bool = False, epoch: int | None = None) -> None:
+        self.outer, self.every, self.late, self.epoch = outer, every, late, epoch
         self.barrier = threading.Barrier(REPLICAS, timeout=30)
         self.turn = threading.Lock()  # held by the replica that runs; let go only while waiting at the meeting
         self.posted: list[list[torch.Tensor]] = [[] for _ in range(REPLICAS)]
@@ -112,21 +114,23 @@ class SimulatedReplica(loom.OneDeviceStrategy):
         wrapped, opt = super().prepare(model, optimizer)
         # The anchor is the model as every replica starts it; DiLoCo's first sync moves it.
         self.state["anchor"] = [p.detach().clone() for p in model.parameters()]
-        return wrapped, MeetingOptimizer(opt, self.meeting.every, lambda: self.meeting.meet(self._replica, list(model.parameters()), self.state))
+        meet = lambda: self.meeting.meet(self._replica, list(model.parameters()), self.state)  # noqa: E731
+        return wrapped, MeetingOptimizer(opt, self.meeting.every, meet, self.meeting.epoch)
 
 
 class MeetingOptimizer(StrategyOptimizer):
-    """Calls ``meet`` after every ``every`` real steps."""
+    """Calls ``meet`` after every ``every`` real steps (of each epoch of ``epoch`` steps, and at its end, where given)."""
 
-    def __init__(self, opt: StrategyOptimizer, every: int, meet: Callable[[], None]) -> None:
+    def __init__(self, opt: StrategyOptimizer, every: int, meet: Callable[[], None], epoch: int | None = None) -> None:
         super().__init__(opt.optimizer, opt.precision, opt._should_step)
-        self.meet, self.every, self.steps = meet, every, 0
+        self.meet, self.every, self.epoch, self.steps = meet, every, epoch, 0
 
     def step(self, closure: Callable | None = None) -> Any:  # type: ignore[override]
         result = super().step(closure)
         if self._should_step(self):
             self.steps += 1
-            if self.steps % self.every == 0:
+            into = self.steps if self.epoch is None else (self.steps - 1) % self.epoch + 1  # steps into the epoch
+            if into % self.every == 0 or into == self.epoch:
                 self.meet()
         return result
 
@@ -134,7 +138,8 @@ class MeetingOptimizer(StrategyOptimizer):
 def simulate(strategy: str, case: str) -> list[dict[str, torch.Tensor]]:
     """Each replica's weights after ``case`` under ``strategy`` (a name in ``LOCAL``)."""
     options = OPTIONS[strategy]
-    meeting = Meeting(outer=strategy in OUTER, every=options["sync_every"], late=options.get("overlap_sync", False))
+    epoch = cases.STEPS if strategy in EPOCH_ROUNDS else None  # the simulated cases train one epoch
+    meeting = Meeting(outer=strategy in OUTER, every=options["sync_every"], late=options.get("overlap_sync", False), epoch=epoch)
     results: list[Any] = [None] * REPLICAS
 
     def work(replica: int) -> None:

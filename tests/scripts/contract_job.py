@@ -21,7 +21,7 @@ import loom
 from loom.comm.groups import GROUP_ENV
 from tests.contract.cases import CASES, run_case
 from tests.contract.local_reference import OPTIONS as LOCAL_OPTIONS
-from tests.contract.local_reference import OUTER, REGISTERED, resume
+from tests.contract.local_reference import EPOCH_ROUNDS, OUTER, REGISTERED, resume
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def run_strategy(strategy_name: str, directory: Path) -> None:
         except Exception as error:  # noqa: BLE001 - a failing case is reported by its test, not by the job
             results[name] = {"error": f"{type(error).__name__}: {error}"}
             strategy.barrier()
-    if strategy_name in OUTER:  # DiLoCo's outer momentum goes on from a checkpoint
+    if strategy_name in OUTER and strategy_name not in EPOCH_ROUNDS:  # DiLoCo's outer momentum goes on from a checkpoint (replica groups': their own test)
         results["resume"] = resume(make, directory / "resume")
     if not dist.is_initialized():  # one process driving every device (TPUStrategy)
         torch.save(results, directory / "results-0.pt")
