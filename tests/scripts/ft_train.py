@@ -213,7 +213,7 @@ def main(out: Path) -> None:
                     (out / f"paused-{group}-{rank}").write_text("")
                     while not (out / "go").exists():
                         time.sleep(0.05)
-                if save_every and strategy.committed and (m.batch + 1) % save_every == 0:
+                if save_every and strategy.committed is not False and (m.batch + 1) % save_every == 0:  # DiLoCo: in a round too
                     if (group, m.batch, restart) == (die_group, die_batch, 0) and in_save:
                         _die_before_the_commit(out)
                     strategy.save(out / "checkpoints", step=m.batch + 1, keep=100, model=model, optimizer=opt, scheduler=sched, loader=loader)

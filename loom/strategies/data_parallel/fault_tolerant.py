@@ -150,7 +150,7 @@ class _AcrossGroups:
                 state_dict=None,
                 init_sync=False,  # the start-up step syncs from group 0 itself (see the module)
                 min_replica_size=1,
-                use_async_quorum=True,  # a healing group adds zeros and is not counted; loom waits for the quorum before the data
+                use_async_quorum=self.heals_in_its_step,  # loom waits for the quorum before the data either way
                 timeout=timeout,
                 quorum_timeout=timeout,
                 connect_timeout=timedelta(seconds=min(self.timeout, 30)),
@@ -256,11 +256,14 @@ class _AcrossGroups:
         while True:
             self._quorum()
             self._wait_for_every_group(started)
-            if self._under_way():  # this group heals in that quorum
+            if self._under_way() and ft_healing(self._manager):  # this group heals in that quorum's step
                 self._ghost_step(started)
                 if self._heal_applied:
                     return
                 continue
+            if self._under_way():  # in the job already (healed in the quorum, or by a heal whose step failed): it trains in this quorum
+                self._quorum_ready = True
+                return
             states = [self._local(t) for t in module.state_dict().values() if isinstance(t, torch.Tensor)]
             flats = _flat_by_dtype(states)
             if self.group != min(self._quorum_groups()):
@@ -286,12 +289,16 @@ class _AcrossGroups:
             if not waiting:
                 self._events.write("waiting", groups=list(self._quorum_groups()))
                 waiting = True
-            if time.time() - started > self.timeout:
+            if time.time() - started > self._start_patience():
                 raise LaunchError(
-                    f"group {self.group} waited {self.timeout:g}s for all {self.groups} groups to start the job "
+                    f"group {self.group} waited {self._start_patience():g}s for all {self.groups} groups to start the job "
                     f"(or for a live group to heal from), but only group(s) {list(self._quorum_groups())} came: start the others"
                 )
             self._quorum()
+
+    def _start_patience(self) -> float:
+        """Seconds a group waits for a quorum that holds every group or shows the job under way."""
+        return self.timeout
 
     def _quorum_groups(self) -> tuple[int, ...]:
         """The groups in the current quorum."""
@@ -340,7 +347,7 @@ class _AcrossGroups:
             if batch >= end:
                 return None
             started = time.time()
-            self._quorum()
+            self._take_quorum()
             if ft_healing(self._manager):
                 self._ghost_step(started)
                 continue
@@ -348,6 +355,13 @@ class _AcrossGroups:
             if self._early is not None:
                 self._early.begin(self.membership.samples / self._global_batch)
             return batch
+
+    def _take_quorum(self) -> None:
+        """The quorum of the next step: a new one, or the one ``_start`` took, in which this group is a participant already."""
+        if self._quorum_ready:
+            self._quorum_ready = False
+        else:
+            self._quorum()
 
     def _take_part(self, batch: int, started: float) -> None:
         """This group trains batch ``batch`` in the quorum just taken: its share of it, in ``membership``."""
@@ -505,7 +519,7 @@ class _AcrossGroups:
 
     def _take_schedulers(self) -> None:
         """After a heal's step: take the live group's schedulers (as of before that step) and, if the step
-        applied, step them as the live group did (once; a DiLoCo round's inner steps).
+        applied, step them once, as the live group does.
 
         Their learning rates are set back to the live ones first: a scheduler built after the heal
         reset them, and a chainable one (StepLR) computes the next from them.
@@ -518,7 +532,7 @@ class _AcrossGroups:
             scheduler.load_state_dict(saved)
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = lr
-            for _ in range(self._steps_healed if self._heal_applied else 0):
+            if self._heal_applied:
                 scheduler.step()
 
     # ---- data ---------------------------------------------------------------------------------
@@ -541,8 +555,9 @@ class _AcrossGroups:
     _global_batch = 1
     _left = False  # leave() was called: the Manager is shut down
     _resumed = 0  # global batches trained before this job's first step (a restored checkpoint's)
-    _steps_healed = 1  # optimizer steps that the live groups took in a heal's step (a DiLoCo round's inner steps)
     sums_every_step = True  # the groups sum gradients at every step (DiLoCo's meet every sync_every steps instead)
+    heals_in_its_step = True  # a healing group takes part in the step without data (False: it heals in the quorum, then trains)
+    _quorum_ready = False  # _start took the quorum of this group's first step
     _keeps_live_state = False  # healed, and no batch trained since: a restore at the script's start loads nothing
     _in_step = False  # a quorum was taken for a batch whose gradients are not yet synced
     _synced = False  # clipping summed this step's gradients across the groups already

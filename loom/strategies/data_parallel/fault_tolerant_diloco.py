@@ -1,42 +1,40 @@
 """DiLoCo across replica groups (FT-DiLoCo): each group trains alone for H steps, then the groups meet through torchft.
 
 A *round* is up to ``sync_every`` global batches, never past an epoch's end (so every epoch ends
-with the groups agreed, and ``fit``'s checkpoints fall between rounds):
+with the groups agreed):
 
-1. quorum, once a round: the groups alive now. A group behind the others (restarted) heals in it
-   from a live group's state at the start of the round (the anchor, buffers, inner optimizer,
-   ``train_step``'s schedulers, the outer momentum and the data position), and takes part in the
-   round without data.
+1. quorum, once a round: the groups alive now. A group behind the others (restarted) heals in the
+   quorum itself (torchft's synchronous heal), from a live group's state at the round's start
+   (the anchor, buffers, inner optimizer, ``train_step``'s schedulers, the outer momentum and the
+   data position), and then trains its share of the round like the others.
 2. inner steps: each global batch of the round is split among the round's groups as under
    FT-DDP; within a group the N processes are DDP, and no step crosses the groups.
-3. the meeting: each group's pseudo-gradient (anchor - its weights) and floating buffers, weighted
-   by its share of the batches, are summed across the groups (integer buffers are the groups'
-   mean), with the digests of the rounds each applied (``fault_tolerant_history``), and torchft
-   votes. If every group's sum arrived, the outer optimizer (SGD with Nesterov momentum) steps the
-   anchor on the summed pseudo-gradient and every group goes on from it. If a group died in the
-   round, nobody applies it: every group goes back to the round's start (weights, buffers, inner
-   optimizer and schedulers) and the groups alive then train its batches again. So every global
-   batch is applied once, or not at all.
+3. the meeting: each group's pseudo-gradient (anchor - its weights) and the change of its
+   numeric buffers since the round's start, weighted by its share of the batches (integer ones:
+   the groups' mean), are summed across the groups with the digests of the rounds each applied
+   (``fault_tolerant_history``), and torchft votes. If every group's sum arrived, the outer
+   optimizer (SGD with Nesterov momentum) steps the anchor on the summed pseudo-gradient and every
+   group goes on from it. If a group died in the round, nobody applies it: every group goes back
+   to the round's start (weights, buffers, inner optimizer and schedulers) and the groups alive
+   then train its batches again. So every global batch is applied once, or not at all.
 
-With one group and ``sync_every=1`` and ``outer_lr=1, outer_momentum=0`` it is FT-DDP's training;
-in general it is DiLoCo's (``DiLoCoStrategy``), on the groups' shares of each batch. A round's
-start is kept until its meeting (weights, buffers and the inner optimizer's state: about one more
-copy of the model and of the optimizer's state), both to go back to and to serve a heal with
-while the round's steps change the live state.
+The round's start is kept until its meeting (the anchor, the buffers, and the inner optimizer's
+state), both to go back to and to serve a heal with while the round's steps change the live
+state; a checkpoint saved inside a round holds it too: it is what every group agrees on.
 """
 
 from __future__ import annotations
 
 import copy
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
-from loom.compat import ft_healing, ft_quorum_id
 from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy, _flat_by_dtype, _unflat_by_dtype
 from loom.strategies.data_parallel.local_sgd import check_diloco_options, nesterov_outer
 from loom.strategies.optimizer import StrategyOptimizer
@@ -51,9 +49,9 @@ class _Round:
 
 @dataclass
 class _Start:
-    """A round's start, as the round's steps leave it: gone back to if the round is not applied, and served to a heal."""
+    """A round's start, as the round's steps leave it: gone back to if the round is not applied, served to a heal, saved."""
 
-    buffers: dict[str, torch.Tensor]  # the state dict's entries that are not trained parameters
+    buffers: list[torch.Tensor]
     optimizer: dict[str, Any]
     schedulers: list[dict[str, Any]]
 
@@ -62,6 +60,9 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
     """DiLoCo across replica groups: Mirrored (DDP) within a group, an outer step on the groups' pseudo-gradients every
     ``sync_every`` global batches, through torchft (see the module).
 
+    ``committed`` is None during a round's inner steps (not known before its meeting), then says whether the round
+    applied.
+
     Args:
         sync_every: H, the global batches of a round (fewer in an epoch's last round).
         outer_lr, outer_momentum: the outer SGD with Nesterov momentum (DiLoCo's 0.7 and 0.9).
@@ -69,12 +70,13 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
     """
 
     sums_every_step = False
+    heals_in_its_step = False
 
     def __init__(self, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, precision: str = "32",
                  timeout: float | None = None, **options: Any) -> None:  # fmt: skip
         check_diloco_options(type(self).__name__, sync_every, outer_lr, outer_momentum)
-        super().__init__(precision=precision, timeout=timeout, **options)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
+        super().__init__(precision=precision, timeout=timeout, **options)
         self._batches = 0  # global batches of the rounds the job applied (and of the checkpoint it resumed from)
         self._round: _Round | None = None
         self._start_state: _Start | None = None
@@ -88,62 +90,77 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
         self._batches = batches
         self._history.resume(batches)
 
+    def _start_patience(self) -> float:
+        """A restarted group waits for the live groups' next round, which starts only once their round has met:
+        one timeout for each of its steps."""
+        return self.timeout * self.sync_every
+
     # ---- set-up and heals ---------------------------------------------------------------------
     def _before_start(self, module: nn.Module) -> None:
         self._module = module
-        self._names = [n for n, p in module.named_parameters() if p.requires_grad]
         self._params = [p for p in module.parameters() if p.requires_grad]
+        self._trains = [p.requires_grad for p in module.parameters()]
         self._anchor = [p.detach().clone() for p in self._params]
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._anchor_of = {n: index[id(p)] for n, p in module.named_parameters(remove_duplicate=False) if id(p) in index}
+        self._buffers = list(module.buffers())
+        index = {id(b): i for i, b in enumerate(self._buffers)}
+        self._buffer_of = {n: index[id(b)] for n, b in module.named_buffers(remove_duplicate=False)}
         self._outer = nesterov_outer(self.outer_lr, self.outer_momentum)(self._anchor)
         self._keep_start()
 
     def prepare(self, model: nn.Module, optimizer: Any = None, **options: Any) -> Any:  # type: ignore[override]
         wrapped, opt = super().prepare(model, optimizer, **options)
-        self._anchor_here()  # the job's first weights (group 0's), or the live ones this group healed to
+        self._anchor_here()  # the job's first weights (group 0's), or a live group's round start
         return wrapped, opt
+
+    def train_step(self, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer, scheduler: Any = None,
+                   max_grad_norm: float | None = None, accumulate: int = 1) -> Any:  # fmt: skip
+        step = super().train_step(model, loss_fn, optimizer, scheduler, max_grad_norm, accumulate)
+        if self._round is None or not self._round.taken:  # its scheduler is part of the round's start
+            self._start_state.schedulers = [copy.deepcopy(s.state_dict()) for s in self._schedulers]
+        return step
 
     @torch.no_grad()
     def _anchor_here(self) -> None:
         for anchor, p in zip(self._anchor, self._params):
             anchor.copy_(p)
+        self._keep_start()
 
     def _keep_start(self) -> None:
         """Keep the round's start (before its quorum: a heal may be served from then on)."""
-        trained = set(self._names)
         self._start_state = _Start(
-            buffers={k: v.detach().clone() for k, v in self._module.state_dict().items() if k not in trained},
+            buffers=[b.detach().clone() for b in self._buffers],
             optimizer=copy.deepcopy(self._local_optimizer_state(self._optimizer)),
             schedulers=[copy.deepcopy(s.state_dict()) for s in self._schedulers],
         )
 
     def _heal_state(self, module: nn.Module, inner: torch.optim.Optimizer) -> dict[str, Any]:
         """The round's start, not the live state: the round's steps change that while the heal is served."""
-        start, anchors = self._start_state, dict(zip(self._names, self._anchor))
-        model = {k: anchors[k] if k in anchors else start.buffers[k] for k in module.state_dict()}
+        start, live = self._start_state, module.state_dict()
+        model = {k: self._anchor[self._anchor_of[k]] if k in self._anchor_of else start.buffers[self._buffer_of[k]] if k in self._buffer_of
+                 else live[k] for k in live}  # fmt: skip
         return {"model": model, "optimizer": start.optimizer, "schedulers": start.schedulers, "history": self._history.state(),
-                "clip": self._clip, "resumed": 0, "diloco": {"outer": self._outer.state_dict(), "batches": self._batches}}  # fmt: skip
+                "clip": self._clip, "resumed": 0, "diloco": {"outer": _OuterState(self).state_dict(), "batches": self._batches}}  # fmt: skip
 
     def _load_heal(self, module: nn.Module, inner: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+        """A live group's round start, in this group's quorum: it then trains the round as the others do."""
         super()._load_heal(module, inner, saved)
         self._anchor_here()
-        self._outer.load_state_dict(saved["diloco"]["outer"])
+        _OuterState(self).load_state_dict(saved["diloco"]["outer"])
         self._batches = saved["diloco"]["batches"]
-
-    def _ghost_step(self, started: float) -> None:
-        """Take part in a round without data while healing: add zeros to its meeting, take the live state, apply the
-        same outer step."""
-        tensors = [torch.zeros_like(t) for t in self._meeting_tensors(weight=0.0, length=0)]
-        self._sum_across_groups([*tensors, self._history.slots(self.group, self.groups, healing=True)])
-        self._heal_applied = self._manager.should_commit()  # loads the live group's round start before deciding
-        if self._heal_applied:
-            self._history.advance(ft_quorum_id(self._manager))
-            self._steps_healed = self._apply_meeting(tensors)
+        self._heal_applied = False  # no step was taken in the heal: the schedulers are taken as they were
         self._take_schedulers()
-        if self._heal_applied:
-            self._keeps_live_state = True
-            self._events.write("healed", batch=self.committed_batches() - 1, seconds=time.time() - started, dropped=self._dropped)
-            self._dropped = 0
         self._keep_start()
+        self._keeps_live_state = True
+        self._events.write("healed", batch=self._batches, seconds=time.time() - self._asked, dropped=self._dropped)
+        self._dropped = 0
+
+    def _quorum(self) -> None:
+        self._asked = time.time()
+        super()._quorum()
+
+    _asked = 0.0  # when the last quorum was asked for
 
     # ---- rounds -------------------------------------------------------------------------------
     def _next_batch(self, end: int) -> int | None:
@@ -154,82 +171,94 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
                 "call optimizer.step() for every batch, and accumulate with train_step(accumulate=k), not strategy.accumulate()"
             )
         if self._round is None:
-            while True:
-                batch = self.committed_batches()
-                if batch >= end:
-                    return None
-                started = time.time()
+            batch = self.committed_batches()
+            if batch >= end:
+                return None
+            if not self._quorum_ready:
                 self._keep_start()
-                self._quorum()
-                if ft_healing(self._manager):
-                    self._ghost_step(started)
-                    continue
-                self._round = _Round(batch, min(self.sync_every, end - batch))
-                break
+            self._take_quorum()
+            if self.committed_batches() >= end:  # healed in it to a later epoch: its round is the next epoch's loop's
+                self._quorum_ready = True
+                return None
+            self._round = _Round(self.committed_batches(), min(self.sync_every, end - self.committed_batches()))
         batch = self._round.first + self._round.taken
-        self._take_part(batch, time.time())
+        self._take_part(batch, self._asked)
         return batch
 
     def _stepping_optimizer(self, inner: torch.optim.Optimizer) -> StrategyOptimizer:
-        return _InnerOptimizer(inner, self.precision, self._may_step, self._stepped)
+        return _InnerOptimizer(inner, self.precision, self._may_step, self._inner_step)
 
-    def _stepped(self) -> None:
-        """An inner step applied: the round's last one meets the other groups."""
+    def _inner_step(self, update: Callable[[], Any]) -> Any:
+        """An inner step on the batch that distribute() handed out; the round's last one meets the other groups."""
+        if not self._in_step:
+            raise RuntimeError(
+                "under --groups each optimizer step trains the batch that strategy.distribute(...) hands out (its round's quorum "
+                "decides its data): iterate that loader, one optimizer step per batch"
+            )
+        result = update()
         self._in_step = False
         self._round.taken += 1
         self.committed = None  # not known before the round's meeting
         if self._round.taken == self._round.length:
             self._meet()
+        return result
 
     @torch.no_grad()
     def _meet(self) -> None:
-        """Sum the groups' weighted pseudo-gradients and buffers, vote, and apply the outer step or go back to the round's start."""
+        """Sum the groups' weighted pseudo-gradients and buffer changes, vote, and apply the outer step or go back to the round's start."""
         r, m = self._round, self.membership
         self._round = None
-        tensors = self._meeting_tensors(weight=m.samples / self._global_batch, length=r.length)
+        if [p.requires_grad for p in self._module.parameters()] != self._trains:
+            raise RuntimeError(
+                "a parameter was frozen or unfrozen after prepare(): FaultTolerantDiLoCoStrategy meets the parameters that train at "
+                "prepare(), so set requires_grad before it"
+            )
+        tensors = self._meeting_tensors(weight=m.samples / self._global_batch)
         history = self._history.slots(self.group, self.groups)
         self._sum_across_groups([*tensors, history])
         committed = self.committed = self._vote(history)
         if committed:
             self._history.advance(m.quorum_id)
             self._apply_meeting(tensors)
+            self._batches += r.length
         else:
             self._go_back()
         self._events.write("commit" if committed else "refused", batch=r.first + r.length - 1 if committed else r.first,
                            first=r.first, last=r.first + r.length - 1, groups=list(m.groups))  # fmt: skip
 
-    def _meeting_tensors(self, weight: float, length: int) -> list[torch.Tensor]:
-        """What the groups sum at a meeting, flat by dtype: the weighted pseudo-gradients and floating buffers, the
-        other buffers as they are, and the round's length (a healing group learns it from the sum)."""
-        floating, other = self._buffers()
-        values = [(a - p.detach()) * weight for a, p in zip(self._anchor, self._params)] + [b * weight for b in floating] + list(other)
-        return [*_flat_by_dtype(values).values(), torch.tensor([float(length)], dtype=torch.float64)]
+    def _meeting_tensors(self, weight: float) -> list[torch.Tensor]:
+        """What the groups sum at a meeting, flat by dtype: the weighted pseudo-gradients and changes of the floating
+        buffers since the round's start, and the other numeric buffers' changes (boolean ones are left as they are)."""
+        floating, counted = self._met_buffers()
+        values = [(a - p.detach()) * weight for a, p in zip(self._anchor, self._params)]
+        values += [(b - start) * weight for b, start in floating] + [b - start for b, start in counted]
+        return list(_flat_by_dtype(values).values())
 
-    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        buffers = list(self._module.buffers())
-        return [b for b in buffers if b.is_floating_point()], [b for b in buffers if not b.is_floating_point()]
+    def _met_buffers(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """(buffer, its value at the round's start) for the floating buffers, and for the integer ones."""
+        pairs = list(zip(self._buffers, self._start_state.buffers))
+        return [p for p in pairs if p[0].is_floating_point()], [p for p in pairs if not p[0].is_floating_point() and p[0].dtype != torch.bool]
 
     @torch.no_grad()
-    def _apply_meeting(self, sums: list[torch.Tensor]) -> int:
-        """The outer step on the summed pseudo-gradient; the buffers' weighted sum (the others' mean); the job's position
-        moves past the round. Returns the round's length."""
-        participants = self._manager.num_participants()
-        floating, other = self._buffers()
+    def _apply_meeting(self, sums: list[torch.Tensor]) -> None:
+        """The outer step on the summed pseudo-gradient; the buffers moved by the groups' weighted change (the integer
+        ones by their mean change)."""
+        floating, counted = self._met_buffers()
         pseudo = [torch.empty_like(a) for a in self._anchor]
-        counted = [torch.empty_like(b) for b in other]
-        *flats, length = sums
-        _unflat_by_dtype(dict(zip(_flat_by_dtype([*pseudo, *floating, *counted]), flats)), [*pseudo, *floating, *counted])
-        for b, total in zip(other, counted):
-            b.copy_(total // participants)
+        changes = [torch.empty_like(b) for b, _ in floating] + [torch.empty_like(b) for b, _ in counted]
+        targets = [*pseudo, *changes]
+        _unflat_by_dtype(dict(zip(_flat_by_dtype(targets), sums)), targets)
+        participants = self._manager.num_participants()
+        for (b, start), change in zip(floating, changes):
+            b.copy_(start + change)
+        for (b, start), change in zip(counted, changes[len(floating) :]):
+            b.copy_(start + change // participants)
         for anchor, grad in zip(self._anchor, pseudo):
             anchor.grad = grad
         self._outer.step()
         self._outer.zero_grad(set_to_none=True)
         for anchor, p in zip(self._anchor, self._params):
             p.copy_(anchor)
-        rounds = round(float(length) / participants)
-        self._batches += rounds
-        return rounds
 
     @torch.no_grad()
     def _go_back(self) -> None:
@@ -237,22 +266,39 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
         start = self._start_state
         for anchor, p in zip(self._anchor, self._params):
             p.copy_(anchor)
-        state = self._module.state_dict()
-        for key, value in start.buffers.items():
-            state[key].copy_(value)
+        for b, kept in zip(self._buffers, start.buffers):
+            b.copy_(kept)
         self._optimizer.load_state_dict(self._whole_optimizer_state(self._optimizer, copy.deepcopy(start.optimizer)))
         for scheduler, saved in zip(self._schedulers, start.schedulers):
             scheduler.load_state_dict(saved)
 
     # ---- checkpoints --------------------------------------------------------------------------
     def save(self, directory: Any, *, step: int | None = None, **options: Any) -> Any:  # type: ignore[override]
-        """As FT-DDP saves, between rounds only (in a round the groups hold different weights), with the outer momentum."""
-        if self._round is not None and self._round.taken:
-            raise RuntimeError(
-                f"FaultTolerantDiLoCoStrategy saves between rounds, where the groups agree, not {self._round.taken} steps into one: "
-                f"save at an epoch's end (fit's checkpoints do) or after a round's last step (every {self.sync_every} batches)"
-            )
-        return super().save(directory, step=step, **options, **{OUTER: _OuterState(self)})
+        """As FT-DDP saves, with the outer momentum. Inside a round, what every group agrees on: the round's start (the
+        anchor, its buffers, the inner optimizer's state and ``train_step``'s schedulers then, the data position at its
+        first batch); the round's steps are trained again after a restore."""
+        with self._at_round_start():
+            return super().save(directory, step=step, **options, **{OUTER: _OuterState(self)})
+
+    @contextmanager
+    @torch.no_grad()
+    def _at_round_start(self) -> Iterator[None]:
+        """The model, optimizer and schedulers at the round's start for the while, where a round is under way."""
+        if self._round is None or not self._round.taken:
+            yield
+            return
+        live = ([p.detach().clone() for p in self._params], [b.detach().clone() for b in self._buffers],
+                copy.deepcopy(self._optimizer.state_dict()), [copy.deepcopy(s.state_dict()) for s in self._schedulers])  # fmt: skip
+        self._go_back()
+        try:
+            yield
+        finally:
+            params, buffers, optimizer, schedulers = live
+            for p, kept in zip([*self._params, *self._buffers], [*params, *buffers]):
+                p.copy_(kept)
+            self._optimizer.load_state_dict(optimizer)
+            for scheduler, saved in zip(self._schedulers, schedulers):
+                scheduler.load_state_dict(saved)
 
     def restore(self, directory: Any, **options: Any) -> Any:  # type: ignore[override]
         """As FT-DDP restores; the anchor is the restored model, and the outer momentum is the saved one where the
@@ -291,15 +337,13 @@ class _OuterState:
 
 
 class _InnerOptimizer(StrategyOptimizer):
-    """The user's optimizer, stepping within the group; after each step the round may meet the other groups."""
+    """The user's optimizer, stepping within the group, each step through the strategy's round."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[Any], bool], stepped: Callable[[], None]) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, precision: Any, should_step: Callable[[Any], bool],
+                 inner_step: Callable[[Callable[[], Any]], Any]) -> None:  # fmt: skip
         super().__init__(optimizer, precision, should_step)
-        self._stepped = stepped
+        self._inner_step = inner_step
 
     @torch.optim.Optimizer.profile_hook_step
     def _update(self, closure: Callable[[], Any] | None) -> Any:
-        result = self.precision.step(self.optimizer, closure)
-        self._stepped()
-        return result
-
+        return self._inner_step(lambda: self.precision.step(self.optimizer, closure))
