@@ -169,6 +169,17 @@ def test_local_training_equals_its_simulation(contract_results, strategy, case):
         assert replicas[0]["lr"] == pytest.approx(reference["lr"])
 
 
+@pytest.mark.parametrize("strategy, case", [pytest.param(s, c, id=f"{s}-{c}") for s in EPOCH_ROUNDS if s in STRATEGIES
+                                            for c in ("gpt_own_loss", "gpt_output_object", "compile_before_prepare", "compile_after_prepare")])
+def test_diloco_across_groups_trains_real_model_shapes_and_ends_each_epoch_agreed(contract_results, strategy, case):
+    """Tied weights, a model's own loss, an output object: as the simulation of its rounds trains them; compiled, the
+    groups' meeting at the epoch's end leaves them bit-identical too."""
+    replicas = result(contract_results, strategy, case)
+    assert_replicas_agree(replicas)
+    if case.startswith("gpt"):
+        assert max_difference(replicas[0]["weights"], simulate(strategy, case)[0]) <= TOLERANCE
+
+
 @pytest.mark.parametrize("strategy", [s for s in OUTER if s not in EPOCH_ROUNDS])  # replica groups': test_fault_tolerant_diloco.py
 def test_diloco_resumed_from_a_checkpoint_goes_on_as_the_saved_run_would(contract_results, strategy):
     """The checkpoint carries the outer momentum: a fresh one would take other outer steps after the restore."""
