@@ -308,8 +308,8 @@ class _AcrossGroups:
     def _quorum(self) -> None:
         if self._left:
             raise RuntimeError(f"this {type(self).__name__} left the replica groups (leave()): make a new strategy to train again")
-        self._manager.start_quorum()
         try:
+            self._manager.start_quorum()  # waits for the quorum itself where the group heals in it (FT-DiLoCo)
             self._manager.wait_quorum()
         except TimeoutError:
             raise LaunchError(
