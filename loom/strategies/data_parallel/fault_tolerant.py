@@ -145,7 +145,7 @@ class _AcrossGroups:
 
         def make() -> Any:
             return Manager(
-                pg=ProcessGroupGloo(timeout=timeout),
+                pg=ProcessGroupGloo(timeout=timedelta(seconds=self._start_patience())),  # a collective waits as long for a slow group
                 load_state_dict=None,
                 state_dict=None,
                 init_sync=False,  # the start-up step syncs from group 0 itself (see the module)
@@ -254,12 +254,14 @@ class _AcrossGroups:
         started = time.time()
         self._events.write("joining", restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
         while True:
-            self._quorum()
+            self._quorum(self._start_patience())
             self._wait_for_every_group(started)
             if self._under_way() and ft_healing(self._manager):  # this group heals in that quorum's step
                 self._ghost_step(started)
                 if self._heal_applied:
                     return
+                continue
+            if self._under_way() and not self._holds_the_jobs_state():  # a heal in the quorum failed (its live group died): again
                 continue
             if self._under_way():  # in the job already (healed in the quorum, or by a heal whose step failed): it trains in this quorum
                 self._quorum_ready = True
@@ -272,6 +274,11 @@ class _AcrossGroups:
             if self._manager.should_commit():
                 break
         _unflat_by_dtype(flats, states)
+
+    def _holds_the_jobs_state(self) -> bool:
+        """Whether this group is at the job's step with nothing failed: not a group whose heal in the quorum failed."""
+        last = self._quorums.last
+        return self._manager.errored() is None and (last is None or self._manager.current_step() >= last.max_step)
 
     def _under_way(self) -> bool:
         """Whether a group of the current quorum has trained: the job has started (this group's own step may still be 0)."""
@@ -294,10 +301,11 @@ class _AcrossGroups:
                     f"group {self.group} waited {self._start_patience():g}s for all {self.groups} groups to start the job "
                     f"(or for a live group to heal from), but only group(s) {list(self._quorum_groups())} came: start the others"
                 )
-            self._quorum()
+            self._quorum(self._start_patience())
 
     def _start_patience(self) -> float:
-        """Seconds a group waits for a quorum that holds every group or shows the job under way."""
+        """Seconds a group waits for a quorum that holds every group or shows the job under way, and a collective
+        across the groups for the slowest of them."""
         return self.timeout
 
     def _quorum_groups(self) -> tuple[int, ...]:
@@ -305,15 +313,17 @@ class _AcrossGroups:
         return tuple(sorted({r // self.group_size for r in ft_quorum_ranks(self._manager) or [self.group]}))
 
     # ---- one step -----------------------------------------------------------------------------
-    def _quorum(self) -> None:
+    def _quorum(self, timeout: float | None = None) -> None:
+        """The next quorum, waited for up to ``timeout`` seconds (the strategy's timeout by default)."""
         if self._left:
             raise RuntimeError(f"this {type(self).__name__} left the replica groups (leave()): make a new strategy to train again")
+        timeout = self.timeout if timeout is None else timeout
         try:
-            self._manager.start_quorum()  # waits for the quorum itself where the group heals in it (FT-DiLoCo)
+            self._manager.start_quorum(timeout=timedelta(seconds=timeout))  # waits for the quorum itself where the group heals in it (FT-DiLoCo)
             self._manager.wait_quorum()
         except TimeoutError:
             raise LaunchError(
-                f"group {self.group} got no quorum within {self.timeout:g}s from the lighthouse at {os.environ[LIGHTHOUSE_ENV]}: "
+                f"group {self.group} got no quorum within {timeout:g}s from the lighthouse at {os.environ[LIGHTHOUSE_ENV]}: "
                 "if it died or cannot be reached, start `loom lighthouse` there again, and the groups from their last checkpoint"
             ) from None
         self._check_same_job()

@@ -91,8 +91,8 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
         self._history.resume(batches)
 
     def _start_patience(self) -> float:
-        """A restarted group waits for the live groups' next round, which starts only once their round has met:
-        one timeout for each of its steps."""
+        """A restarted group waits for the live groups' next round, which starts only once their round has met, and
+        a group at the meeting for the slowest group's round: one timeout for each of the round's steps."""
         return self.timeout * self.sync_every
 
     # ---- set-up and heals ---------------------------------------------------------------------
@@ -156,9 +156,9 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
         self._events.write("healed", batch=self._batches, seconds=time.time() - self._asked, dropped=self._dropped)
         self._dropped = 0
 
-    def _quorum(self) -> None:
+    def _quorum(self, timeout: float | None = None) -> None:
         self._asked = time.time()
-        super()._quorum()
+        super()._quorum(timeout)
 
     _asked = 0.0  # when the last quorum was asked for
 
