@@ -136,7 +136,8 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
         )
 
     def _heal_state(self, module: nn.Module, inner: torch.optim.Optimizer) -> dict[str, Any]:
-        """The round's start, not the live state: the round's steps change that while the heal is served."""
+        """The round's start, not the live state: the round's steps change that while the heal is served. Served by
+        reference: the anchor and the kept start change only after a meeting, which the healing group must join first."""
         start, live = self._start_state, module.state_dict()
         model = {k: self._anchor[self._anchor_of[k]] if k in self._anchor_of else start.buffers[self._buffer_of[k]] if k in self._buffer_of
                  else live[k] for k in live}  # fmt: skip
