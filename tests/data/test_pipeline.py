@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import loom.data as ld
+from loom.data.process_workers import RECEIVED_AHEAD
 from loom.data.sources import Source
 from loom.errors import DataFileError
 
@@ -362,7 +363,9 @@ def test_process_batches_arrive_in_shared_buffers_that_are_not_reused_while_held
     del held, images, labels
     reused = [buffer_of(batch) for batch in loader]  # each dropped before the next: buffers go round
     ahead = reused.index(next(b for b in reused if b is not None))  # sent while every buffer was held: the usual way
-    assert ahead <= 4 and None not in reused[ahead:] and len(set(reused)) < len(reused), reused  # 4: the window
+    # At most the tasks in flight (4) and the batches the receiver takes in ahead (RECEIVED_AHEAD) go before the
+    # freed buffers are seen (5 came once in a quiet run of the suite); after them, every batch comes in a buffer again.
+    assert ahead <= 4 + RECEIVED_AHEAD and None not in reused[ahead:] and len(set(reused)) < len(reused), reused
 
 
 def test_batches_are_built_in_their_buffer_and_what_does_not_fit_travels_as_is(monkeypatch):
