@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from loom.strategies.data_parallel.fault_tolerant import FaultTolerantMirroredStrategy, _flat_by_dtype, _unflat_by_dtype
-from loom.strategies.data_parallel.local_sgd import check_diloco_options, nesterov_outer
+from loom.strategies.data_parallel.local_sgd import check_outer_options, check_sync_every, nesterov_outer
 from loom.strategies.optimizer import StrategyOptimizer
 
 
@@ -74,7 +74,8 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
 
     def __init__(self, sync_every: int = 50, outer_lr: float = 0.7, outer_momentum: float = 0.9, precision: str = "32",
                  timeout: float | None = None, **options: Any) -> None:  # fmt: skip
-        check_diloco_options(type(self).__name__, sync_every, outer_lr, outer_momentum)
+        check_sync_every(type(self).__name__, sync_every)
+        check_outer_options(type(self).__name__, outer_lr, outer_momentum)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, outer_lr, outer_momentum
         super().__init__(precision=precision, timeout=timeout, **options)
         self._batches = 0  # global batches of the rounds the job applied (and of the checkpoint it resumed from)
@@ -147,12 +148,11 @@ class FaultTolerantDiLoCoStrategy(FaultTolerantMirroredStrategy):
     def _load_heal(self, module: nn.Module, inner: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
         """A live group's round start, in this group's quorum: it then trains the round as the others do."""
         super()._load_heal(module, inner, saved)
-        self._anchor_here()
         _OuterState(self).load_state_dict(saved["diloco"]["outer"])
         self._batches = saved["diloco"]["batches"]
         self._heal_applied = False  # no step was taken in the heal: the schedulers are taken as they were
         self._take_schedulers()
-        self._keep_start()
+        self._anchor_here()  # and keeps the round's start, schedulers included
         self._keeps_live_state = True
         self._events.write("healed", batch=self._batches, seconds=time.time() - self._asked, dropped=self._dropped)
         self._dropped = 0

@@ -365,7 +365,7 @@ class DiLoCoStrategy(LocalSGDStrategy):
         backend: str | None = None,
         sync_batchnorm: bool = False,
     ) -> None:
-        check_diloco_options("DiLoCoStrategy", sync_every, outer_lr, outer_momentum)
+        check_outer_options("DiLoCoStrategy", outer_lr, outer_momentum)  # sync_every: LocalSGDStrategy's
         if not isinstance(overlap_sync, bool):
             raise ValueError(f"DiLoCoStrategy(overlap_sync=...) must be True or False, got {overlap_sync!r}")
         super().__init__(sync_every, num_replicas=num_replicas, precision=precision, timeout=timeout, backend=backend, sync_batchnorm=sync_batchnorm)
@@ -383,8 +383,7 @@ def check_sync_every(strategy: str, sync_every: Any) -> None:
         raise ValueError(f"{strategy}(sync_every=...) must be a positive number of optimizer steps, got {sync_every!r}")
 
 
-def check_diloco_options(strategy: str, sync_every: Any, outer_lr: float, outer_momentum: float) -> None:
-    check_sync_every(strategy, sync_every)
+def check_outer_options(strategy: str, outer_lr: float, outer_momentum: float) -> None:
     if not outer_lr > 0 or not 0 <= outer_momentum < 1:
         raise ValueError(f"{strategy} needs outer_lr > 0 and 0 <= outer_momentum < 1, got outer_lr={outer_lr!r}, outer_momentum={outer_momentum!r}")
 
